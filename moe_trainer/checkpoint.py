@@ -1,0 +1,231 @@
+"""Checkpoints: layout-independent safetensors, written atomically.
+
+checkpoints/step_<N>/
+  model.safetensors      fp32 master weights + buffers (balancing biases), global names
+  optimizer.safetensors  Adam exp_avg / exp_avg_sq per parameter, same names
+  rng.safetensors        every rank's RNG state
+  state.json             step, Adam step, data position, layout, config digest
+  manifest.json          size and sha256 of every file above (written last)
+The directory is assembled under a temporary name and renamed when complete;
+`latest` is replaced after that. A directory without a valid manifest is never
+resumed from.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: one user-facing sentence."""
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- gather / scatter
+
+def _optimizer_params(engine):
+    """(name, param) for parameters the optimizer owns, in a fixed order."""
+    return list(engine.module.named_parameters())
+
+
+def gather_state(trainer) -> tuple[dict, dict]:
+    """Full fp32 weights and optimizer moments, by global name (collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    model, opt = {}, {}
+    for name, p in _optimizer_params(trainer.engine):
+        full = safe_get_full_fp32_param(p)
+        model[name] = (full if full is not None else p.detach().float()).cpu()
+        for key in ("exp_avg", "exp_avg_sq"):
+            state = safe_get_full_optimizer_state(p, key)
+            if state is not None:
+                opt[f"{name}.{key}"] = state.cpu()
+    for name, buf in trainer.engine.module.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            model[name] = buf.detach().float().cpu()
+    return model, opt
+
+
+def adam_step(engine) -> int:
+    for state in engine.optimizer.optimizer.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
+def _rng_state() -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+# ----------------------------------------------------------------------------- save
+
+def save(trainer) -> Optional[Path]:
+    """Write checkpoints/step_<N> (all ranks call; rank 0 writes)."""
+    model_state, opt_state = gather_state(trainer)
+    rngs = [None] * trainer.layout.world
+    rng = _rng_state()
+    if dist.is_initialized() and trainer.layout.world > 1:
+        dist.all_gather_object(rngs, rng.tolist())  # a few KB of ints between our own ranks
+    else:
+        rngs = [rng.tolist()]
+    path = None
+    if trainer.mesh.rank == 0:
+        path = _write(trainer, model_state, opt_state, rngs)
+    trainer.barrier()
+    return path
+
+
+def _write(trainer, model_state: dict, opt_state: dict, rngs: list) -> Path:
+    root = trainer.out_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{trainer.step}"
+    tmp = root / f".step_{trainer.step}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "moe_trainer.v1"})
+    save_file({k: v.contiguous() for k, v in opt_state.items()}, str(tmp / "optimizer.safetensors"))
+    save_file({f"rank{r}": torch.tensor(s, dtype=torch.uint8) for r, s in enumerate(rngs)},
+              str(tmp / "rng.safetensors"))
+    state = {"step": trainer.step, "adam_step": adam_step(trainer.engine), "data_position": trainer.step,
+             "arch": trainer.cfg.model.arch, "layout": trainer.layout.__dict__,
+             "model": trainer.cfg.to_dict()["model"]}
+    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}
+    (tmp / MANIFEST).write_text(json.dumps({"step": trainer.step, "files": files}, indent=1))
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    atomic_write_text(root / "latest", final.name + "\n")
+    prune(root, trainer.cfg.train.keep_checkpoints)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    for f in path.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def prune(root: Path, keep: int) -> None:
+    steps = sorted((int(p.name.split("_")[1]), p) for p in root.glob("step_*") if p.name.split("_")[1].isdigit())
+    for _, p in steps[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- find / verify / load
+
+def verify(path: Path) -> Optional[str]:
+    """None if the checkpoint is complete and intact, else why not."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return "it has no manifest (incomplete write)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (json.JSONDecodeError, KeyError):
+        return "its manifest is unreadable"
+    for name, meta in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != meta["bytes"]:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {meta['bytes']}"
+        if sha256(f) != meta["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def find_resume(out_dir: Path, resume: str, warn: bool = True) -> Optional[Path]:
+    """train.resume: none -> None; a path -> that checkpoint (must be valid);
+    auto -> the newest complete checkpoint, skipping broken ones with a warning."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        problem = verify(path) if path.is_dir() else "it does not exist"
+        if problem:
+            raise CheckpointError(f"cannot resume from {path}: {problem}.")
+        return path
+    root = Path(out_dir) / "checkpoints"
+    candidates = sorted(((int(p.name.split("_")[1]), p) for p in root.glob("step_*")
+                         if p.name.split("_")[1].isdigit()), reverse=True) if root.is_dir() else []
+    for _, path in candidates:
+        problem = verify(path)
+        if problem is None:
+            return path
+        if warn:
+            print(f"warning: skipping checkpoint {path}: {problem}", file=sys.stderr, flush=True)
+    return None
+
+
+def _load_safetensors(path: Path) -> dict:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}).") from None
+
+
+def load(path: Path, trainer) -> int:
+    """Restore weights, optimizer state, RNG and step from a verified checkpoint."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    state = json.loads((path / "state.json").read_text())
+    if state.get("arch") != trainer.cfg.model.arch:
+        raise CheckpointError(f"checkpoint {path} holds a {state.get('arch')} model, but model.arch is "
+                              f"{trainer.cfg.model.arch}.")
+    weights = _load_safetensors(path / "model.safetensors")
+    moments = _load_safetensors(path / "optimizer.safetensors")
+    module = trainer.engine.module
+    expected = {n: p for n, p in module.named_parameters()}
+    expected.update({n: b for n, b in module.named_buffers() if n.endswith("e_score_correction_bias")})
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {path} does not fit this model: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}.")
+    for name, target in expected.items():
+        if tuple(weights[name].shape) != tuple(target.shape):
+            raise CheckpointError(f"checkpoint {path} has {name} of shape {tuple(weights[name].shape)}, the model "
+                                  f"expects {tuple(target.shape)}.")
+    with torch.no_grad():
+        for name, target in expected.items():
+            value = weights[name].to(target.device)
+            target.copy_(value.to(target.dtype))
+            if isinstance(target, torch.nn.Parameter):
+                safe_set_full_fp32_param(target, value.float())
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if f"{name}.{key}" in moments:
+                        safe_set_full_optimizer_state(target, moments[f"{name}.{key}"].to(target.device), key)
+        for st in trainer.engine.optimizer.optimizer.state.values():
+            if "step" in st:
+                st["step"] = (torch.tensor(float(state["adam_step"]), dtype=st["step"].dtype)
+                              if torch.is_tensor(st["step"]) else state["adam_step"])
+    rng = _load_safetensors(path / "rng.safetensors")
+    key = f"rank{trainer.mesh.rank}"
+    if key in rng:
+        torch.set_rng_state(rng[key])
+    return int(state["step"])

@@ -1,0 +1,407 @@
+"""One typed config tree: YAML file + typed `--set a.b=v` overrides + validation.
+
+Every error is a `ConfigError` whose message is one sentence naming the key and
+what would be valid. Validation runs before any process group is made.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Bad configuration: the message is a single user-facing sentence."""
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = "runs/moe_tiny"  # run directory (DESIGN.md)
+    seed: int = 1234  # same seed -> same initial weights and batches on any layout
+
+
+@dataclass
+class ModelConfig:
+    """Architecture. Field names follow the Hugging Face config of each arch."""
+
+    arch: str = "deepseek_v3"  # deepseek_v3 | llama3
+    vocab_size: int = 320  # byte-level default corpus: 256 bytes + specials, padded to 64
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: Optional[int] = None  # llama3 GQA; None = num_attention_heads
+    head_dim: Optional[int] = None  # llama3; None = hidden_size // num_attention_heads
+    intermediate_size: int = 1024  # dense FFN hidden size
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # RoPE scaling as Hugging Face's `rope_parameters` minus rope_theta, e.g.
+    # {rope_type: yarn, factor: 40, original_max_position_embeddings: 4096, mscale: 1, mscale_all_dim: 1}
+    # or {rope_type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 8192}
+    rope_scaling: Optional[dict] = None
+    rope_interleave: bool = True  # deepseek_v3: rotary dims stored as interleaved pairs
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    attention_bias: bool = False
+    # --- multi-head latent attention (deepseek_v3)
+    q_lora_rank: Optional[int] = 64  # None = plain q_proj (DeepSeek-V2-Lite)
+    kv_lora_rank: int = 64
+    qk_rope_head_dim: int = 16
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
+    # --- DeepSeekMoE
+    first_k_dense_replace: int = 1  # the first k layers use a dense FFN
+    n_routed_experts: int = 16
+    num_experts_per_tok: int = 4
+    n_shared_experts: int = 1
+    moe_intermediate_size: int = 128
+    n_group: int = 4  # routed experts split into groups; a token picks topk_group groups
+    topk_group: int = 2
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    scoring_func: str = "sigmoid"  # sigmoid | softmax
+    # aux-loss-free balancing: bias += gamma * sign(mean_load - load) after each step
+    bias_update_speed: float = 0.001
+    seq_aux_loss_alpha: float = 0.0  # sequence-wise balance loss weight (paper: 0.0001)
+    router_z_loss_coef: float = 0.0
+    capacity_factor: Optional[float] = None  # None = dropless
+    moe_impl: str = "grouped"  # grouped (fast) | loop (reference)
+    # --- multi-token prediction
+    num_nextn_predict_layers: int = 0
+    mtp_loss_weight: float = 0.3
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300
+    seq_len: int = 128
+    micro_batch_size: int = 8
+    global_batch_size: int = 16  # sequences per optimizer step, whatever the layout
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    dtype: str = "fp32"  # fp32 | bf16
+    checkpoint_every: int = 100  # 0 = only at the end
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # auto | none | <checkpoint path>
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 4
+    max_nan_skips: int = 3  # consecutive non-finite losses skipped before stopping
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 1
+    ep: int = 1
+    tp: int = 1
+    cp: int = 1
+    micro_batches: int = 0  # per pipeline step; 0 = global_batch / (micro_batch * dp)
+    sequence_parallel: bool = True  # with tp > 1
+    dedup_dispatch: bool = False  # send a token's hidden state to a rank once
+    recompute: str = "none"  # none | selective | full
+    pp_partition: Optional[list] = None  # layers per stage, e.g. [2, 3]; None = balanced
+    timeout_s: int = 300  # collective timeout: a dead rank ends the job
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # token files from tools/prepare_data.py; empty = default corpus
+    val_fraction: float = 0.02
+
+
+@dataclass
+class MetricsConfig:
+    peak_tflops: Optional[float] = None  # per rank; None = measured (CPU) or datasheet (GPU)
+    tensorboard: bool = True
+    expert_load_every: int = 0  # 0 = every log step
+
+
+@dataclass
+class DebugConfig:
+    trace_pipeline: bool = False
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+CHOICES = {
+    "model.arch": ("deepseek_v3", "llama3"),
+    "model.hidden_act": ("silu",),
+    "model.scoring_func": ("sigmoid", "softmax"),
+    "model.moe_impl": ("grouped", "loop"),
+    "train.dtype": ("fp32", "bf16"),
+    "parallel.recompute": ("none", "selective", "full"),
+}
+
+
+# ----------------------------------------------------------------------------- parsing
+
+def _field_type(cls, name: str):
+    return typing.get_type_hints(cls)[name]
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+    """Check `value` against the annotated type `tp`; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(key, value, args[0])
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
+    elif tp is list or origin is list:
+        if isinstance(value, list):
+            return value
+    name = getattr(tp, "__name__", str(tp))
+    raise ConfigError(f"{key} must be of type {name}, got {value!r}.")
+
+
+def _apply(section_obj, prefix: str, values: dict) -> None:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix or 'the config'} must be a mapping of keys, got {values!r}.")
+    names = [f.name for f in dataclasses.fields(section_obj)]
+    for key, value in values.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise ConfigError(f"unknown key {full}; valid keys here are: {', '.join(names)}.")
+        current = getattr(section_obj, key)
+        if dataclasses.is_dataclass(current):
+            _apply(current, full, value)
+        else:
+            setattr(section_obj, key, _coerce(full, value, _field_type(type(section_obj), key)))
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=v` -> (['a', 'b'], v) with v parsed as YAML (so 3, 0.1, true, null, [1,2] work)."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects key=value (e.g. train.max_steps=20), got {text!r}.")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Defaults <- YAML file <- `--set` overrides, then validate."""
+    cfg = Config()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {path} does not exist.")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML ({str(e).splitlines()[0]}).") from None
+        _apply(cfg, "", data)
+    for text in overrides or []:
+        keys, value = parse_override(text)
+        nested: Any = value
+        for k in reversed(keys):
+            nested = {k: nested}
+        _apply(cfg, "", nested)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict) -> Config:
+    cfg = Config()
+    _apply(cfg, "", data)
+    validate(cfg)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no process group (world-size checks: `validate_layout`)."""
+    for key, choices in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        _require(value in choices, f"{key} must be one of {', '.join(choices)}, got {value!r}.")
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    positive = {
+        "model.vocab_size": m.vocab_size, "model.hidden_size": m.hidden_size,
+        "model.num_hidden_layers": m.num_hidden_layers, "model.num_attention_heads": m.num_attention_heads,
+        "model.intermediate_size": m.intermediate_size, "train.seq_len": t.seq_len,
+        "train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,
+        "train.max_steps": t.max_steps, "train.log_every": t.log_every,
+        "parallel.pp": p.pp, "parallel.ep": p.ep, "parallel.tp": p.tp, "parallel.cp": p.cp,
+        "parallel.timeout_s": p.timeout_s,
+    }
+    for key, value in positive.items():
+        _require(value > 0, f"{key} must be a positive integer, got {value}.")
+    for key, value in {"train.lr": t.lr, "train.min_lr": t.min_lr, "train.warmup_steps": t.warmup_steps,
+                       "train.checkpoint_every": t.checkpoint_every, "train.eval_every": t.eval_every,
+                       "train.keep_checkpoints": t.keep_checkpoints, "parallel.micro_batches": p.micro_batches,
+                       "model.num_nextn_predict_layers": m.num_nextn_predict_layers}.items():
+        _require(value >= 0, f"{key} must be >= 0, got {value}.")
+    _require(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be at least 1, got {t.keep_checkpoints}.")
+    _require(0.0 < cfg.data.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {cfg.data.val_fraction}.")
+    _require(t.seq_len + m.num_nextn_predict_layers <= m.max_position_embeddings or m.arch == "llama3",
+             f"train.seq_len ({t.seq_len}) must not exceed model.max_position_embeddings ({m.max_position_embeddings}).")
+    _require(t.global_batch_size % t.micro_batch_size == 0,
+             f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
+             f"({t.micro_batch_size}).")
+    if m.arch == "deepseek_v3":
+        _validate_deepseek(m)
+    else:
+        _validate_llama(m, p)
+    _require(p.ep == 1 or m.arch == "deepseek_v3", "parallel.ep must be 1 for model.arch llama3 (a dense model).")
+    _require(p.ep == 1 or p.tp == 1, "parallel.ep and parallel.tp cannot both exceed 1 (the MoE layout uses no TP).")
+    _require(t.seq_len % (2 * p.cp) == 0 or p.cp == 1,
+             f"train.seq_len ({t.seq_len}) must be divisible by 2 * parallel.cp ({2 * p.cp}).")
+    _require(m.num_hidden_layers >= p.pp,
+             f"model.num_hidden_layers ({m.num_hidden_layers}) must be at least parallel.pp ({p.pp}).")
+    if p.pp_partition is not None:
+        _require(len(p.pp_partition) == p.pp and all(isinstance(n, int) and n >= 1 for n in p.pp_partition)
+                 and sum(p.pp_partition) == m.num_hidden_layers,
+                 f"parallel.pp_partition must list {p.pp} positive layer counts summing to "
+                 f"{m.num_hidden_layers}, got {p.pp_partition}.")
+    if m.rope_scaling is not None:
+        kind = m.rope_scaling.get("rope_type", m.rope_scaling.get("type"))
+        _require(kind in ("yarn", "llama3", "default"),
+                 f"model.rope_scaling.rope_type must be one of yarn, llama3, default, got {kind!r}.")
+
+
+def _validate_deepseek(m: ModelConfig) -> None:
+    moe = m.num_hidden_layers > m.first_k_dense_replace
+    _require(m.first_k_dense_replace >= 0, "model.first_k_dense_replace must be >= 0.")
+    if moe:
+        _require(m.n_routed_experts > 0, "model.n_routed_experts must be positive when the model has MoE layers.")
+        _require(1 <= m.num_experts_per_tok <= m.n_routed_experts,
+                 f"model.num_experts_per_tok must be between 1 and n_routed_experts ({m.n_routed_experts}), "
+                 f"got {m.num_experts_per_tok}.")
+        _require(m.n_group >= 1 and m.n_routed_experts % m.n_group == 0,
+                 f"model.n_group ({m.n_group}) must divide model.n_routed_experts ({m.n_routed_experts}).")
+        _require(1 <= m.topk_group <= m.n_group,
+                 f"model.topk_group must be between 1 and n_group ({m.n_group}), got {m.topk_group}.")
+        per_group = m.n_routed_experts // m.n_group
+        _require(m.n_group == 1 or per_group >= 2,
+                 f"model.n_group ({m.n_group}) leaves fewer than 2 experts per group; group scores sum each "
+                 f"group's top-2 experts.")
+        _require(m.topk_group * per_group >= m.num_experts_per_tok,
+                 f"model.topk_group ({m.topk_group}) groups of {per_group} experts cannot supply "
+                 f"num_experts_per_tok ({m.num_experts_per_tok}) experts.")
+        _require(m.moe_intermediate_size > 0, "model.moe_intermediate_size must be positive.")
+        _require(m.n_shared_experts >= 0, "model.n_shared_experts must be >= 0.")
+        _require(m.capacity_factor is None or m.capacity_factor > 0,
+                 f"model.capacity_factor must be positive or null (dropless), got {m.capacity_factor}.")
+    for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+        _require(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}.")
+    _require(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim must be even, got {m.qk_rope_head_dim}.")
+    _require(m.q_lora_rank is None or m.q_lora_rank > 0, "model.q_lora_rank must be positive or null.")
+
+
+def _validate_llama(m: ModelConfig, p: ParallelConfig) -> None:
+    kv = m.num_key_value_heads or m.num_attention_heads
+    _require(m.num_attention_heads % kv == 0,
+             f"model.num_key_value_heads ({kv}) must divide model.num_attention_heads ({m.num_attention_heads}).")
+    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+    _require(head_dim % 2 == 0, f"the llama3 head dimension must be even for RoPE, got {head_dim}.")
+    _require(m.head_dim is not None or m.hidden_size % m.num_attention_heads == 0,
+             f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_attention_heads "
+             f"({m.num_attention_heads}) unless model.head_dim is set.")
+    _require(m.num_attention_heads % p.tp == 0,
+             f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by parallel.tp ({p.tp}).")
+    _require(kv % p.tp == 0 or p.tp % kv == 0,
+             f"model.num_key_value_heads ({kv}) must be divisible by parallel.tp ({p.tp}) or divide it.")
+    _require(m.intermediate_size % p.tp == 0,
+             f"model.intermediate_size ({m.intermediate_size}) must be divisible by parallel.tp ({p.tp}).")
+    _require(m.vocab_size % p.tp == 0, f"model.vocab_size ({m.vocab_size}) must be divisible by parallel.tp ({p.tp}).")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees of one run, derived from the world size and `parallel.*`."""
+
+    world: int
+    pp: int
+    tp: int
+    cp: int
+    dp: int
+    ep: int
+    edp: int  # expert-data-parallel degree: dp * cp / ep
+    grad_accum: int  # micro-batches per optimizer step on each data-parallel rank
+
+
+def validate_layout(cfg: Config, world_size: int) -> Layout:
+    """Checks that need the world size; raise before any process group is used."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    model_par = p.pp * p.tp * p.cp
+    _require(world_size % model_par == 0,
+             f"the world size ({world_size}) must be a multiple of parallel.pp * parallel.tp * parallel.cp "
+             f"({model_par}).")
+    dp = world_size // model_par
+    _require((dp * p.cp) % p.ep == 0,
+             f"parallel.ep ({p.ep}) must divide the data-parallel size times parallel.cp ({dp * p.cp}); "
+             f"expert parallelism borrows data-parallel ranks.")
+    if m.arch == "deepseek_v3" and m.num_hidden_layers > m.first_k_dense_replace:
+        _require(m.n_routed_experts % p.ep == 0,
+                 f"model.n_routed_experts ({m.n_routed_experts}) must be divisible by parallel.ep ({p.ep}).")
+    per_step = t.micro_batch_size * dp
+    _require(t.global_batch_size % per_step == 0,
+             f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size * "
+             f"data-parallel size ({t.micro_batch_size} * {dp} = {per_step}).")
+    grad_accum = t.global_batch_size // per_step
+    _require(p.micro_batches in (0, grad_accum),
+             f"parallel.micro_batches ({p.micro_batches}) must be 0 or global_batch_size / (micro_batch_size * dp) "
+             f"= {grad_accum}.")
+    return Layout(world=world_size, pp=p.pp, tp=p.tp, cp=p.cp, dp=dp, ep=p.ep,
+                  edp=dp * p.cp // p.ep, grad_accum=grad_accum)
+
+
+def ceil_to(n: int, multiple: int) -> int:
+    return int(math.ceil(n / multiple) * multiple)

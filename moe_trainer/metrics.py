@@ -1,0 +1,159 @@
+"""Throughput accounting (model FLOPs, MFU), memory, and the run's metric sinks
+(metrics.jsonl, TensorBoard, a console progress line)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .config import ModelConfig
+
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from vendor datasheets.
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
+                   "L40S": 362.0, "A10G": 70.0, "L4": 121.0, "V100": 125.0, "MI300X": 1307.0}
+
+
+def matmul_flops_per_token(cfg: ModelConfig) -> dict[str, float]:
+    """Forward multiply-adds x 2 per token for the matmuls a token activates.
+
+    MoE layers count the router, the shared experts and top-k routed experts
+    only; MLA counts its real projection shapes; the embedding lookup is free
+    and the output head is counted once (plus once per MTP depth).
+    """
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    parts = {"attention": 0.0, "dense_ffn": 0.0, "moe": 0.0, "head": 2.0 * d * cfg.vocab_size, "mtp": 0.0}
+    attn = attention_proj_params(cfg)
+    ffn_dense = 3 * d * cfg.intermediate_size
+    ffn_moe = (3 * d * cfg.moe_intermediate_size * (cfg.n_shared_experts + cfg.num_experts_per_tok)
+               + d * cfg.n_routed_experts)
+    for i in range(cfg.num_hidden_layers):
+        parts["attention"] += 2.0 * attn
+        if cfg.arch == "deepseek_v3" and i >= cfg.first_k_dense_replace:
+            parts["moe"] += 2.0 * ffn_moe
+        else:
+            parts["dense_ffn"] += 2.0 * ffn_dense
+    if cfg.arch == "deepseek_v3":
+        per_depth = 2.0 * (attn + ffn_moe + 2 * d * d) + 2.0 * d * cfg.vocab_size
+        parts["mtp"] = per_depth * cfg.num_nextn_predict_layers
+    return parts
+
+
+def attention_proj_params(cfg: ModelConfig) -> int:
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    if cfg.arch == "llama3":
+        hd = cfg.head_dim or d // h
+        kv = cfg.num_key_value_heads or h
+        return d * h * hd * 2 + d * kv * hd * 2
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    q = d * h * qk if cfg.q_lora_rank is None else d * cfg.q_lora_rank + cfg.q_lora_rank * h * qk
+    kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return q + kv + h * cfg.v_head_dim * d
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward score + value FLOPs per token with the causal half: a query at
+    position t attends to t + 1 keys, (T + 1) / 2 on average."""
+    h = cfg.num_attention_heads
+    if cfg.arch == "llama3":
+        dqk = dv = cfg.head_dim or cfg.hidden_size // h
+    else:
+        dqk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    ctx = (seq_len + 1) / 2
+    layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if cfg.arch == "deepseek_v3" else 0)
+    return 2.0 * h * (dqk + dv) * ctx * layers
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward + backward (3x forward) model FLOPs per trained token, without recomputation."""
+    return 3.0 * (sum(matmul_flops_per_token(cfg).values()) + attention_flops_per_token(cfg, seq_len))
+
+
+def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, n: int = 1024, seconds: float = 0.5) -> float:
+    """This rank's achieved TFLOP/s on a square matmul (the roofline for MFU on a CPU)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    for _ in range(2):
+        a @ b
+    iters, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        iters += 1
+    if device.type != "cpu":
+        from deepspeed.accelerator import get_accelerator
+        get_accelerator().synchronize()
+    return 2 * n ** 3 * iters / (time.perf_counter() - start) / 1e12
+
+
+def peak_tflops(configured: Optional[float], dtype: torch.dtype, device: torch.device) -> tuple[float, str]:
+    """(peak, where it came from): configured, datasheet for a known GPU, else measured."""
+    if configured:
+        return configured, "config"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return value, f"datasheet {key}"
+    return measure_matmul_tflops(dtype, device), "measured matmul"
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated accelerator memory, or the process's peak RSS on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # ru_maxrss is KiB on Linux
+
+
+class MetricSink:
+    """metrics.jsonl + TensorBoard + console, written by one rank."""
+
+    def __init__(self, out_dir: Path, tensorboard: bool, max_steps: int):
+        self.out_dir = Path(out_dir)
+        self.jsonl = open(self.out_dir / "metrics.jsonl", "a")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+        self.max_steps = max_steps
+        self.start = time.time()
+        self.first_step: Optional[int] = None
+
+    def log(self, step: int, record: dict, tb_prefix: str = "") -> None:
+        record = {"step": step, **record}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self.tb.add_scalar(tb_prefix + key.replace(".", "/"), value, step)
+            self.tb.flush()
+
+    def histogram(self, tag: str, values: torch.Tensor, step: int) -> None:
+        if self.tb is not None:
+            self.tb.add_histogram(tag, values, step)
+
+    def progress(self, step: int, record: dict) -> None:
+        if self.first_step is None:
+            self.first_step, self.start = step, time.time()
+        done = max(step - self.first_step, 1)
+        eta = (time.time() - self.start) / done * (self.max_steps - step)
+        parts = [f"step {step}/{self.max_steps}", f"loss {record.get('loss', float('nan')):.4f}"]
+        if "val_loss" in record:
+            parts.append(f"val {record['val_loss']:.4f}")
+        if "tokens_per_s" in record:
+            parts.append(f"{record['tokens_per_s']:.0f} tok/s")
+        if "mfu" in record:
+            parts.append(f"MFU {100 * record['mfu']:.1f}%")
+        parts.append(f"ETA {eta / 60:.1f} min")
+        print(" | ".join(parts), file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()

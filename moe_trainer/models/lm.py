@@ -1,0 +1,101 @@
+"""The causal-LM skeleton both architectures share.
+
+embed_tokens -> layers (ModuleDict keyed by global layer id, so pipeline stages
+can drop modules while names stay checkpoint-stable) -> norm -> lm_head.
+Every decoder layer maps (h, cos, sin) -> (h, aux) where aux is the layer's
+weighted auxiliary loss or None; aux losses ride along with the activations so
+a pipeline stage can carry them to the last stage as a tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .layers import RMSNorm, RotaryEmbedding
+
+
+@dataclass
+class LMOutput:
+    logits: torch.Tensor  # (B, T, V)
+    loss: Optional[torch.Tensor] = None  # total training loss (lm + mtp + aux)
+    losses: dict = field(default_factory=dict)  # detached components for metrics
+
+
+def add_aux(total: Optional[torch.Tensor], aux: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if aux is None:
+        return total
+    return aux if total is None else total + aux
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32; logits (B, T, V), labels (B, T)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+class CausalLM(nn.Module):
+    """Subclasses build `self.layers` and may add `self.mtp`."""
+
+    def __init__(self, cfg: ModelConfig, rope_dim: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def init_weights(self) -> None:
+        """Normal(0, initializer_range) for every matrix, ones for norms, zero biases
+        (Hugging Face's initialisation), in module order: same seed -> same weights."""
+        std = self.cfg.initializer_range
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p) if "norm" in name else nn.init.zeros_(p)
+            else:
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def rope(self, seq_len: int, device, dtype, positions: Optional[torch.Tensor] = None):
+        if positions is None:
+            positions = torch.arange(seq_len, device=device)
+        return self.rotary(positions, dtype)
+
+    def run_layers(self, h: torch.Tensor, cos, sin):
+        aux = None
+        for layer in self.layers.values():
+            h, layer_aux = layer(h, cos, sin)
+            aux = add_aux(aux, layer_aux)
+        return h, aux
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None) -> LMOutput:
+        h = self.embed_tokens(input_ids)  # (B, T, d)
+        cos, sin = self.rope(input_ids.shape[1], h.device, h.dtype, positions)
+        h, aux = self.run_layers(h, cos, sin)
+        logits = self.lm_head(self.norm(h))
+        if labels is None:
+            return LMOutput(logits)
+        return self.loss(logits, labels, h, input_ids, aux)
+
+    def loss(self, logits, labels, hidden, input_ids, aux) -> LMOutput:
+        main = lm_loss(logits, labels)
+        losses = {"lm": main.detach()}
+        total = main
+        mtp = self.mtp_loss(hidden, input_ids, labels) if hasattr(self, "mtp") and len(self.mtp) else None
+        if mtp is not None:
+            mtp_loss, mtp_aux = mtp
+            total = total + self.cfg.mtp_loss_weight * mtp_loss
+            losses["mtp"] = mtp_loss.detach()
+            aux = add_aux(aux, mtp_aux)
+        if aux is not None:
+            total = total + aux
+            losses["aux"] = aux.detach()
+        return LMOutput(logits, total, losses)

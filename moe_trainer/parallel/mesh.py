@@ -1,0 +1,109 @@
+"""The one mesh: every rank's coordinates and process groups, built once.
+
+Rank order, innermost first, is Llama 3's [tp, cp, pp, dp]:
+    rank = tp_i + tp * (cp_i + cp * (pp_i + pp * dp_i))
+The expert view re-reads the dp x cp ranks of one pipeline stage (and one tp
+index) as [ep, edp], ep innermost, which is DeepSpeed's default "E + D" order:
+    j = cp_i + cp * dp_i,  ep_i = j % ep,  edp_i = j // ep
+so an expert group is `ep` neighbouring data-parallel ranks, and an expert's
+replicas (its expert-data-parallel group) are strided by ep.
+
+The mesh is passed explicitly to whatever needs it; nothing reads a global.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+from ..config import Layout
+
+
+def coords(rank: int, layout: Layout) -> dict[str, int]:
+    """Pure: a rank's coordinates in every view."""
+    tp_i = rank % layout.tp
+    cp_i = (rank // layout.tp) % layout.cp
+    pp_i = (rank // (layout.tp * layout.cp)) % layout.pp
+    dp_i = rank // (layout.tp * layout.cp * layout.pp)
+    j = cp_i + layout.cp * dp_i
+    return {"tp": tp_i, "cp": cp_i, "pp": pp_i, "dp": dp_i, "ep": j % layout.ep, "edp": j // layout.ep}
+
+
+def rank_of(layout: Layout, tp: int = 0, cp: int = 0, pp: int = 0, dp: int = 0) -> int:
+    return tp + layout.tp * (cp + layout.cp * (pp + layout.pp * dp))
+
+
+def group_ranks(layout: Layout) -> dict[str, list[list[int]]]:
+    """Pure: every group of every kind, as lists of global ranks.
+
+    dp: same (tp, cp, pp), varying dp.  dpcp: same (tp, pp), varying (dp, cp)
+    (ZeRO and gradient reduction for dense parameters when cp > 1).  ep / edp:
+    splits of each dpcp group.  tp, cp, pp: varying that one coordinate.
+    """
+    L = layout
+    out: dict[str, list[list[int]]] = {k: [] for k in ("tp", "cp", "pp", "dp", "dpcp", "ep", "edp", "mp")}
+    for dp_i in range(L.dp):
+        for pp_i in range(L.pp):
+            for cp_i in range(L.cp):
+                out["tp"].append([rank_of(L, t, cp_i, pp_i, dp_i) for t in range(L.tp)])
+            for t in range(L.tp):
+                out["cp"].append([rank_of(L, t, c, pp_i, dp_i) for c in range(L.cp)])
+        for t in range(L.tp):
+            for cp_i in range(L.cp):
+                out["pp"].append([rank_of(L, t, cp_i, p, dp_i) for p in range(L.pp)])
+        out["mp"].append([rank_of(L, t, c, p, dp_i) for p in range(L.pp) for c in range(L.cp)
+                          for t in range(L.tp)])
+    for pp_i in range(L.pp):
+        for t in range(L.tp):
+            for cp_i in range(L.cp):
+                out["dp"].append([rank_of(L, t, cp_i, pp_i, d) for d in range(L.dp)])
+            dpcp = [rank_of(L, t, c, pp_i, d) for d in range(L.dp) for c in range(L.cp)]  # j order
+            out["dpcp"].append(dpcp)
+            for e in range(L.edp):
+                out["ep"].append(dpcp[e * L.ep:(e + 1) * L.ep])
+            for e in range(L.ep):
+                out["edp"].append(dpcp[e::L.ep])
+    return out
+
+
+@dataclass
+class Mesh:
+    layout: Layout
+    rank: int
+    coord: dict = field(default_factory=dict)
+    groups: dict = field(default_factory=dict)  # kind -> this rank's ProcessGroup (None when size 1)
+    members: dict = field(default_factory=dict)  # kind -> this rank's group's ranks
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coord["dp"]
+
+    def size(self, kind: str) -> int:
+        return len(self.members[kind])
+
+    def index(self, kind: str) -> int:
+        return self.members[kind].index(self.rank)
+
+    def group(self, kind: str) -> Optional[dist.ProcessGroup]:
+        return self.groups[kind]
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coord["pp"] == self.layout.pp - 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coord["pp"] == 0
+
+
+def build_mesh(layout: Layout, rank: int, distributed: bool = True) -> Mesh:
+    """Create every process group (all ranks call new_group in the same order)."""
+    mesh = Mesh(layout, rank, coords(rank, layout))
+    for kind, lists in group_ranks(layout).items():
+        for ranks in lists:
+            pg = dist.new_group(ranks) if distributed and layout.world > 1 else None
+            if rank in ranks:
+                mesh.members[kind] = ranks
+                mesh.groups[kind] = pg if len(ranks) > 1 else None
+    return mesh

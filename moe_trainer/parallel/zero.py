@@ -1,0 +1,55 @@
+"""DeepSpeed ZeRO-1: the DeepSpeed config generated from ours, and the engine.
+
+The DeepSpeed JSON is derived here and nowhere else (STYLE: one config tree).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..config import Config, Layout
+
+
+def deepspeed_config(cfg: Config, layout: Layout) -> dict:
+    t = cfg.train
+    return {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": layout.grad_accum,
+        "train_batch_size": t.micro_batch_size * layout.grad_accum * layout.dp,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": 1},
+        "bf16": {"enabled": t.dtype == "bf16"},
+        # torch's AdamW: no JIT-built fused op, same maths on every accelerator
+        "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.adam_eps,
+                                                  "weight_decay": t.weight_decay, "torch_adam": True}},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "seed": cfg.run.seed,
+    }
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only; norms, biases and 1-D gains are not decayed."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
+    return groups
+
+
+def build_engine(model: torch.nn.Module, cfg: Config, layout: Layout, mpu=None):
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+    ds_logger.setLevel(logging.WARNING)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
+                                           config=deepspeed_config(cfg, layout), mpu=mpu)
+    return engine
+
+
+def set_lr(engine, lr: float) -> None:
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr

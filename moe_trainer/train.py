@@ -1,0 +1,84 @@
+"""Entry point: `deepspeed --num_gpus N --module moe_trainer.train --config configs/X.yaml [--set a.b=v ...]`.
+
+Also works with torchrun, or as a plain single process.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from datetime import timedelta
+
+from .checkpoint import CheckpointError
+from .config import ConfigError, load_config, validate_layout
+from .data import DataError
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="moe_trainer.train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/moe_tiny.yaml", help="YAML run config (default: %(default)s)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="typed override, e.g. --set train.max_steps=20 (repeatable)")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def _single_process_env() -> None:
+    """Without a launcher, act as a world of one."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+
+
+def _set_threads(device_type: str) -> None:
+    """On CPU ranks, split the cores between the ranks of this node."""
+    import torch
+    if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        _single_process_env()
+        world = int(os.environ["WORLD_SIZE"])
+        layout = validate_layout(cfg, world)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    import deepspeed
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    from .parallel.mesh import build_mesh
+    from .trainer import Trainer
+
+    accel = get_accelerator()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    accel.set_device(local_rank)
+    device = torch.device(accel.device_name(local_rank))
+    _set_threads(device.type)
+    deepspeed.init_distributed(timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    rank = int(os.environ["RANK"])
+    mesh = build_mesh(layout, rank)
+    try:
+        trainer = Trainer(cfg, mesh, device)
+        trainer.train()
+    except (DataError, CheckpointError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if rank == 0:
+        print(f"run directory: {os.path.abspath(cfg.run.out_dir)}")
+        print(f"tensorboard:   tensorboard --logdir {os.path.abspath(os.path.join(cfg.run.out_dir, 'tensorboard'))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

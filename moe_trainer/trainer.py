@@ -1,0 +1,228 @@
+"""The training loop around a DeepSpeed ZeRO-1 engine.
+
+The trainer does not know which model it trains: it gets one from the registry
+by model.arch, applies the layout's parallelism, and drives steps. Order of a
+step: data -> forward/backward per micro-batch -> optimizer step -> expert-bias
+update from globally summed counts -> metrics -> eval -> checkpoint.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint
+from .config import Config, Layout, TrainConfig
+from .data import open_data
+from .metrics import MetricSink, peak_memory_gb, peak_tflops, train_flops_per_token
+from .models.registry import build_model, moe_layers
+from .moe import balance
+from .parallel.mesh import Mesh
+from .parallel.parallelize import parallelize
+from .parallel.zero import build_engine, set_lr
+
+
+def get_lr(step: int, t: TrainConfig) -> float:
+    """Linear warm-up to train.lr, then cosine decay to train.min_lr at max_steps."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+@dataclass
+class StepTimes:
+    data: float = 0.0
+    forward: float = 0.0
+    backward: float = 0.0
+    optimizer: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {f"time.{k}_s": v for k, v in self.__dict__.items()}
+
+
+class Trainer:
+    def __init__(self, cfg: Config, mesh: Mesh, device: torch.device):
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.layout: Layout = mesh.layout
+        self.is_logger = mesh.rank == 0
+        self.out_dir = Path(cfg.run.out_dir)
+        self.dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
+        t = cfg.train
+        self.data_index, self.train_data, self.val_data = open_data(
+            cfg.data.path, t.seq_len, cfg.run.seed, cfg.model.vocab_size, cfg.data.val_fraction)
+        model = build_model(cfg.model, cfg.run.seed)
+        self.model = parallelize(model, cfg, mesh)
+        self.engine = build_engine(self.model, cfg, self.layout, mpu=None)
+        self.moe = [m for _, m in moe_layers(self.model)]
+        self.moe_layer_ids = [int(name.split(".")[1]) if name.startswith("layers.") else
+                              cfg.model.num_hidden_layers + int(name.split(".")[1])
+                              for name, _ in moe_layers(self.model)]
+        self.step = 0
+        self.sink: Optional[MetricSink] = None
+        self.flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
+        self.peak, self.peak_source = peak_tflops(cfg.metrics.peak_tflops, self.dtype, device)
+        self._load_interval = torch.zeros(len(self.moe), cfg.model.n_routed_experts)
+        self._stopping = False
+
+    # ------------------------------------------------------------------ setup
+    def prepare_run_dir(self) -> None:
+        if self.is_logger:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            checkpoint.atomic_write_text(self.out_dir / "config.yaml", self.cfg.to_yaml())
+            self.sink = MetricSink(self.out_dir, self.cfg.metrics.tensorboard, self.cfg.train.max_steps)
+        self.barrier()
+
+    def barrier(self) -> None:
+        if dist.is_initialized() and self.layout.world > 1:
+            dist.barrier()
+
+    def maybe_resume(self) -> None:
+        found = checkpoint.find_resume(self.out_dir, self.cfg.train.resume, warn=self.is_logger)
+        if found is not None:
+            self.step = checkpoint.load(found, self)
+            if self.is_logger:
+                print(f"resumed from {found} at step {self.step}", flush=True)
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict:
+        self.prepare_run_dir()
+        self.maybe_resume()
+        t = self.cfg.train
+        last = {}
+        while self.step < t.max_steps and not self._stopping:
+            record = self.train_step()
+            self.step += 1
+            if self.step % t.log_every == 0 or self.step == t.max_steps:
+                last = self.log(record)
+            if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.max_steps):
+                last["val_loss"] = self.evaluate()
+                if self.sink:
+                    self.sink.log(self.step, {"val_loss": last["val_loss"]})
+                    self.sink.progress(self.step, {**record, "val_loss": last["val_loss"]})
+            if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.max_steps \
+                    or self._stopping:
+                checkpoint.save(self)
+        if self.sink:
+            self.sink.close()
+        return last
+
+    def micro_batch(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.cfg.train
+        batch = self.train_data.micro_batch(self.step, micro, t.global_batch_size, t.micro_batch_size,
+                                            self.mesh.dp_rank, self.layout.dp).to(self.device)
+        return batch[:, :-1], batch[:, 1:]
+
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        times = StepTimes()
+        set_lr(self.engine, get_lr(self.step, self.cfg.train))
+        sums: dict[str, torch.Tensor] = {}
+        for micro in range(self.layout.grad_accum):
+            ta = time.perf_counter()
+            inputs, labels = self.micro_batch(micro)
+            tb = time.perf_counter()
+            out = self.engine(inputs, labels)
+            tc = time.perf_counter()
+            self.engine.backward(out.loss)
+            td = time.perf_counter()
+            self.engine.step()  # the optimizer step happens at the accumulation boundary
+            te = time.perf_counter()
+            times.data += tb - ta
+            times.forward += tc - tb
+            times.backward += td - tc
+            times.optimizer += te - td
+            for k, v in out.losses.items():
+                sums[k] = sums.get(k, 0.0) + v.float()
+        expert = self.update_expert_bias()
+        losses = self.mean_over_dp({k: v / self.layout.grad_accum for k, v in sums.items()})
+        step_time = time.perf_counter() - t0
+        return {"losses": losses, "times": times, "step_time": step_time, "expert": expert}
+
+    def mean_over_dp(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        keys = sorted(values)
+        vec = torch.stack([values[k].detach().float().reshape(()) for k in keys]).to(self.device)
+        if self.mesh.group("dp") is not None:
+            dist.all_reduce(vec, group=self.mesh.group("dp"))
+            vec /= self.mesh.size("dp")
+        return dict(zip(keys, vec.tolist()))  # .tolist(): host sync, once per step
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> Optional[dict]:
+        """Aux-loss-free balancing: counts summed over every rank that routed tokens,
+        so every replica of each bias moves identically."""
+        if not self.moe:
+            return None
+        counts = torch.stack([m.tokens_per_expert for m in self.moe])  # (L, E)
+        stats = torch.stack([m.stats for m in self.moe]).to(counts.device)  # (L, 5)
+        group = self.mesh.group("dpcp")
+        if group is not None:
+            dist.all_reduce(counts, group=group)
+            dist.all_reduce(stats, group=group)
+        speed = self.cfg.model.bias_update_speed
+        for layer, c in zip(self.moe, counts):
+            if speed > 0:
+                balance.update_bias(layer.gate.e_score_correction_bias, c, speed)
+            layer.reset_counters()
+        self._load_interval += counts.cpu()
+        return {"counts": counts.cpu(), "stats": stats.cpu()}
+
+    # ------------------------------------------------------------------ eval and logging
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        t = self.cfg.train
+        model = self.engine.module
+        model.eval()
+        total = torch.zeros((), device=self.device)
+        for b in range(t.eval_batches):
+            for micro in range(self.layout.grad_accum):
+                batch = self.val_data.micro_batch(b, micro, t.global_batch_size, t.micro_batch_size,
+                                                  self.mesh.dp_rank, self.layout.dp).to(self.device)
+                total += model(batch[:, :-1], batch[:, 1:]).losses["lm"].float()
+        model.train()
+        return self.mean_over_dp({"val": total / (t.eval_batches * self.layout.grad_accum)})["val"]
+
+    def log(self, r: dict) -> dict:
+        t = self.cfg.train
+        tokens = t.global_batch_size * t.seq_len
+        tflops = self.flops_per_token * tokens / self.layout.world / r["step_time"] / 1e12
+        record = {"loss": r["losses"]["lm"], **{f"loss_{k}": v for k, v in r["losses"].items() if k != "lm"},
+                  "lr": get_lr(self.step - 1, t), "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+                  "tokens_per_s": tokens / r["step_time"], "tokens_per_s_per_rank": tokens / r["step_time"] /
+                  self.layout.world, "step_time_s": r["step_time"], "tflops_per_rank": tflops,
+                  "mfu": tflops / self.peak, "peak_tflops": self.peak, "memory_gb": peak_memory_gb(self.device),
+                  **r["times"].as_dict()}
+        if r["expert"] is not None:
+            record.update(self.expert_metrics(r["expert"]))
+        if self.sink:
+            self.sink.log(self.step, record)
+            self.sink.progress(self.step, record)
+        return record
+
+    def expert_metrics(self, expert: dict) -> dict:
+        load = self._load_interval
+        self._load_interval = torch.zeros_like(load)
+        stats = balance.imbalance(load)
+        bias = torch.stack([m.gate.e_score_correction_bias.detach().float().cpu() for m in self.moe])
+        out = {"expert.max_over_mean": float(stats["max_over_mean"].mean()),
+               "expert.cv": float(stats["cv"].mean()),
+               "expert.frac_below_10pct": float(stats["frac_below_10pct"].mean()),
+               "expert.bias_spread": float((bias.max(-1).values - bias.min(-1).values).mean())}
+        s = expert["stats"]
+        if self.cfg.model.capacity_factor is not None:
+            out["expert.dropped_frac"] = float(s[:, 3].sum() / s[:, 4].sum().clamp_min(1))
+        for i, layer_id in enumerate(self.moe_layer_ids):
+            out[f"expert_layer{layer_id}.max_over_mean"] = float(stats["max_over_mean"][i])
+            out[f"expert_layer{layer_id}.cv"] = float(stats["cv"][i])
+        if self.sink:
+            from .expert_load import write_expert_load
+            write_expert_load(self.out_dir, self.step, load, bias=bias, layer_ids=self.moe_layer_ids)
+            for i, layer_id in enumerate(self.moe_layer_ids):
+                self.sink.histogram(f"expert_load/layer{layer_id}", load[i], self.step)
+        return out

@@ -1,0 +1,72 @@
+"""Shared test helpers: launching the real trainer and reading what it leaves."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+# a tiny MoE that trains in seconds on one core
+TINY = [
+    "model.hidden_size=64", "model.num_hidden_layers=3", "model.num_attention_heads=2",
+    "model.intermediate_size=128", "model.q_lora_rank=32", "model.kv_lora_rank=32",
+    "model.qk_rope_head_dim=8", "model.qk_nope_head_dim=16", "model.v_head_dim=16",
+    "model.n_routed_experts=8", "model.num_experts_per_tok=2", "model.n_group=2", "model.topk_group=1",
+    "model.moe_intermediate_size=32", "train.seq_len=32", "train.micro_batch_size=2",
+    "train.global_batch_size=8", "train.warmup_steps=2", "train.eval_batches=1", "train.log_every=1",
+    "train.eval_every=0", "train.checkpoint_every=0", "train.resume=none", "metrics.peak_tflops=1.0",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e.setdefault("DS_ACCELERATOR", "cpu")
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+def launch(n: int, out_dir: Path, overrides: list[str], config: str = "configs/moe_tiny.yaml",
+           timeout: int = 300, launcher: str = "deepspeed") -> subprocess.CompletedProcess:
+    """Run the trainer under the real launcher with n ranks; returns the finished process."""
+    args = [f"--config={config}"] + [a for o in overrides + [f"run.out_dir={out_dir}"] for a in ("--set", o)]
+    if launcher == "deepspeed":
+        cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(n), "--master_port", str(free_port()),
+               "--module", "moe_trainer.train", *args]
+    elif launcher == "torchrun":
+        cmd = [str(VENV_BIN / "torchrun"), f"--nproc-per-node={n}", f"--master-port={free_port()}",
+               "-m", "moe_trainer.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "moe_trainer.train", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def train_losses(out_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(out_dir) if "loss" in r}
+
+
+@pytest.fixture
+def tiny():
+    return list(TINY)
