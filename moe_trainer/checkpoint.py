@@ -53,21 +53,59 @@ def _optimizer_params(engine):
     return list(engine.module.named_parameters())
 
 
+def link_optimizer_state(engine) -> None:
+    """Make every parameter's ZeRO fragment see its Adam moments.
+
+    DeepSpeed links optimizer state to parameters lazily after the first
+    optimizer step, and only for the param groups that had state by then (the
+    second group is missed); before any step torch's Adam has no state at all.
+    Create missing state as torch's AdamW would (zeros, step 0), then relink.
+    """
+    zero = engine.optimizer
+    for flat in zero.single_partition_of_fp32_groups:
+        st = zero.optimizer.state[flat]
+        if "exp_avg" not in st:
+            st["step"] = torch.tensor(0.0)
+            st["exp_avg"] = torch.zeros_like(flat)
+            st["exp_avg_sq"] = torch.zeros_like(flat)
+    zero._hp_optimizer_states_linked = False
+    zero._lazy_init_hp_params_optimizer_state()
+
+
 def gather_state(trainer) -> tuple[dict, dict]:
     """Full fp32 weights and optimizer moments, by global name (collective)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    link_optimizer_state(trainer.engine)
     model, opt = {}, {}
     for name, p in _optimizer_params(trainer.engine):
         full = safe_get_full_fp32_param(p)
-        model[name] = (full if full is not None else p.detach().float()).cpu()
+        model[name] = _unshard(p, full if full is not None else p.detach().float(), trainer.mesh).cpu()
         for key in ("exp_avg", "exp_avg_sq"):
             state = safe_get_full_optimizer_state(p, key)
             if state is not None:
-                opt[f"{name}.{key}"] = state.cpu()
+                opt[f"{name}.{key}"] = _unshard(p, state, trainer.mesh).cpu()
     for name, buf in trainer.engine.module.named_buffers():
         if name.endswith("e_score_correction_bias"):
             model[name] = buf.detach().float().cpu()
     return model, opt
+
+
+def _unshard(p, local: torch.Tensor, mesh) -> torch.Tensor:
+    """Expert-parallel parameters hold a slice of the experts: gather all EP ranks' slices."""
+    if not hasattr(p, "expert_shard"):
+        return local
+    parts = [torch.empty_like(local) for _ in range(mesh.size("ep"))]
+    dist.all_gather(parts, local.contiguous(), group=mesh.group("ep"))
+    return torch.cat(parts, dim=0)
+
+
+def _shard(p, full: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a layout-independent tensor."""
+    if not hasattr(p, "expert_shard"):
+        return full
+    ep_rank, ep = p.expert_shard
+    n = full.shape[0] // ep
+    return full[ep_rank * n:(ep_rank + 1) * n]
 
 
 def adam_step(engine) -> int:
@@ -208,18 +246,20 @@ def load(path: Path, trainer) -> int:
         raise CheckpointError(f"checkpoint {path} does not fit this model: missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}.")
     for name, target in expected.items():
-        if tuple(weights[name].shape) != tuple(target.shape):
-            raise CheckpointError(f"checkpoint {path} has {name} of shape {tuple(weights[name].shape)}, the model "
-                                  f"expects {tuple(target.shape)}.")
+        if tuple(_shard(target, weights[name]).shape) != tuple(target.shape):
+            raise CheckpointError(f"checkpoint {path} has {name} of shape {tuple(weights[name].shape)}, which does "
+                                  f"not fit this model's {tuple(target.shape)}.")
+    link_optimizer_state(trainer.engine)
     with torch.no_grad():
         for name, target in expected.items():
-            value = weights[name].to(target.device)
+            value = _shard(target, weights[name]).to(target.device)
             target.copy_(value.to(target.dtype))
             if isinstance(target, torch.nn.Parameter):
                 safe_set_full_fp32_param(target, value.float())
                 for key in ("exp_avg", "exp_avg_sq"):
                     if f"{name}.{key}" in moments:
-                        safe_set_full_optimizer_state(target, moments[f"{name}.{key}"].to(target.device), key)
+                        moment = _shard(target, moments[f"{name}.{key}"]).to(target.device)
+                        safe_set_full_optimizer_state(target, moment, key)
         for st in trainer.engine.optimizer.optimizer.state.values():
             if "step" in st:
                 st["step"] = (torch.tensor(float(state["adam_step"]), dtype=st["step"].dtype)

@@ -23,6 +23,7 @@ from .data import open_data
 from .metrics import MetricSink, peak_memory_gb, peak_tflops, train_flops_per_token
 from .models.registry import build_model, moe_layers
 from .moe import balance
+from .parallel.comm import CommCounter
 from .parallel.mesh import Mesh
 from .parallel.parallelize import parallelize
 from .parallel.zero import build_engine, set_lr
@@ -58,7 +59,8 @@ class Trainer:
         self.data_index, self.train_data, self.val_data = open_data(
             cfg.data.path, t.seq_len, cfg.run.seed, cfg.model.vocab_size, cfg.data.val_fraction)
         model = build_model(cfg.model, cfg.run.seed)
-        self.model = parallelize(model, cfg, mesh)
+        self.comm = CommCounter()
+        self.model = parallelize(model, cfg, mesh, self.comm)
         self.engine = build_engine(self.model, cfg, self.layout, mpu=None)
         self.moe = [m for _, m in moe_layers(self.model)]
         self.moe_layer_ids = [int(name.split(".")[1]) if name.startswith("layers.") else
@@ -105,7 +107,7 @@ class Trainer:
                 last["val_loss"] = self.evaluate()
                 if self.sink:
                     self.sink.log(self.step, {"val_loss": last["val_loss"]})
-                    self.sink.progress(self.step, {**record, "val_loss": last["val_loss"]})
+                    print(f"step {self.step}/{t.max_steps} | val_loss {last['val_loss']:.4f}", flush=True)
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.max_steps \
                     or self._stopping:
                 checkpoint.save(self)
@@ -143,7 +145,8 @@ class Trainer:
         expert = self.update_expert_bias()
         losses = self.mean_over_dp({k: v / self.layout.grad_accum for k, v in sums.items()})
         step_time = time.perf_counter() - t0
-        return {"losses": losses, "times": times, "step_time": step_time, "expert": expert}
+        return {"losses": losses, "times": times, "step_time": step_time, "expert": expert,
+                "comm": self.comm.reset()}
 
     def mean_over_dp(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
         keys = sorted(values)
@@ -200,6 +203,9 @@ class Trainer:
                   **r["times"].as_dict()}
         if r["expert"] is not None:
             record.update(self.expert_metrics(r["expert"]))
+        for kind, sent in r["comm"]["sent"].items():  # this rank's bytes in the last step
+            record[f"comm.{kind}_sent_bytes"] = sent
+            record[f"comm.{kind}_received_bytes"] = r["comm"]["received"][kind]
         if self.sink:
             self.sink.log(self.step, record)
             self.sink.progress(self.step, record)

@@ -37,10 +37,10 @@ class MLA(nn.Module):
             self.q_proj = nn.Linear(d, h * self.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=cfg.attention_bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)  # eps 1e-6 whatever rms_norm_eps, as DeepSeek/HF
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * self.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)  # eps 1e-6, as DeepSeek/HF
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
         self.softmax_scale = yarn_softmax_scale(self.qk_head_dim, cfg.rope_scaling)

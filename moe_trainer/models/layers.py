@@ -91,7 +91,9 @@ def rope_inv_freq(dim: int, theta: float, scaling: Optional[dict], max_position_
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolate = 1 - ramp
-    inv_freq = (inv_freq / factor) * (1 - extrapolate) + inv_freq * extrapolate
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    interpolated = 1.0 / (factor * pos_freqs)  # not inv_freq / factor: bit for bit as transformers
+    inv_freq = interpolated * (1 - extrapolate) + inv_freq * extrapolate
     return inv_freq, float(attention_factor)
 
 

@@ -17,7 +17,7 @@ import torch
 @dataclass
 class Dispatched:
     x: torch.Tensor  # (M, d) token copies sorted by local expert
-    gate: torch.Tensor  # (M,) gate value of each copy
+    gate: Optional[torch.Tensor]  # (M,) gate of each copy, or None when combine() applies it
     counts: list[int]  # rows per local expert (host ints)
     ctx: Any  # what combine() needs
     dropped: int = 0  # routed copies dropped by a capacity limit

@@ -61,6 +61,6 @@ class Router(nn.Module):
             choice = choice.masked_fill(~group_limited_mask(choice, self.n_group, self.topk_group), float("-inf"))
         topk_idx = choice.topk(self.top_k, dim=-1, sorted=False).indices
         weight = scores.gather(1, topk_idx)
-        if self.norm_topk_prob and self.top_k > 1:
+        if self.norm_topk_prob:  # also for top_k == 1, as DeepSeek-V3 and Hugging Face do
             weight = weight / (weight.sum(-1, keepdim=True) + 1e-20)
         return Routing(topk_idx, weight * self.routed_scaling_factor, scores, logits)

@@ -6,18 +6,23 @@ DeepSpeed engine built afterwards in zero.py.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from ..config import Config
+from ..config import Config, ConfigError
+from .comm import CommCounter
+from .expert import apply_expert_parallel
 from .mesh import Mesh
 
 
-def parallelize(model: torch.nn.Module, cfg: Config, mesh: Mesh) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, cfg: Config, mesh: Mesh, counter: Optional[CommCounter] = None
+                ) -> torch.nn.Module:
     p = cfg.parallel
-    unsupported = {"parallel.tp": p.tp, "parallel.cp": p.cp, "parallel.pp": p.pp, "parallel.ep": p.ep}
+    unsupported = {"parallel.tp": p.tp, "parallel.cp": p.cp, "parallel.pp": p.pp}
     for key, value in unsupported.items():
         if value > 1:
-            raise NotImplementedError(f"{key} > 1 is not implemented yet in this version of moe_trainer.")
+            raise ConfigError(f"{key} > 1 is not implemented yet in this version of moe_trainer; set it to 1.")
     if p.recompute != "none":
-        raise NotImplementedError("parallel.recompute is not implemented yet in this version of moe_trainer.")
-    return model
+        raise ConfigError("parallel.recompute is not implemented yet in this version of moe_trainer; set it to none.")
+    return apply_expert_parallel(model, mesh, counter)
