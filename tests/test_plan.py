@@ -1,0 +1,253 @@
+"""The planner: pure numbers, checked against published figures and hand counts."""
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_trainer import plan
+from moe_trainer.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "plan.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+
+
+def within(value: float, target: float, rel: float = 0.01) -> bool:
+    return abs(value - target) <= rel * target
+
+
+# ----------------------------------------------------------------------------- ZeRO table
+
+def test_zero_cli_prints_the_papers_table():
+    out = run_cli("zero", "--params", "7.5e9", "--dp", "64")
+    assert out.returncode == 0, out.stderr
+    rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if re.match(r"\| [0-3] \(", line)]
+    totals = [cells[4].strip() for cells in rows]
+    comm = [cells[5].strip().split()[0] for cells in rows]
+    assert totals == ["120 GB", "31.4 GB", "16.6 GB", "1.9 GB"]
+    assert comm == ["2x", "2x", "2x", "3x"]
+    assert "1.5x data parallel" in rows[3][5]
+
+
+def test_zero_table_bytes():
+    p, n = 7.5e9, 64
+    rows = plan.zero_table(p, n)
+    assert [r.total for r in rows] == pytest.approx([16 * p, 4 * p + 12 * p / n, 2 * p + 14 * p / n, 16 * p / n])
+    assert rows[2].grads == pytest.approx(2 * p / n)
+
+
+# ----------------------------------------------------------------------------- parameter counts
+
+@pytest.fixture(scope="module")
+def deepseek():
+    return load_config(str(CONFIGS / "deepseek_v3_671b.yaml"))
+
+
+def test_deepseek_v3_671b_and_37b(deepseek):
+    report = plan.count_parameters(deepseek.model)
+    assert within(report.total.main, 671e9)
+    # DeepSeek's README_WEIGHTS: 36.7B activated in the main model; the paper rounds it to 37B.
+    assert within(report.activated.main, 36.7e9)
+    assert round(report.activated.main / 1e9) == 37
+    # The MTP module: 11.5B unique parameters; with its shared embedding and head, 671B + 14B = 685B.
+    assert within(report.total.mtp, 11.5e9)
+    assert within(report.hf_checkpoint_total, 685e9)
+    assert report.mtp_parts.routed_experts > 0.9 * report.total.mtp
+    assert report.activated.routed_experts == pytest.approx(report.total.routed_experts * 8 / 256)
+
+
+def test_llama3_405b():
+    cfg = load_config(str(CONFIGS / "llama3_405b.yaml"))
+    report = plan.count_parameters(cfg.model)
+    assert within(report.total.total, 405e9)
+    assert report.total.routed_experts == report.total.mtp == 0
+
+
+def test_tiny_deepseek_count_by_hand():
+    cfg = load_config(str(CONFIGS / "moe_tiny.yaml"))
+    h, v, heads, inter, e, mi = 256, 320, 4, 768, 16, 128
+    mla = h * 96 + 96 + 96 * heads * 48 + h * (64 + 16) + 64 + 64 * heads * (32 + 32) + h * heads * 32
+    dense = 3 * h * inter
+    moe = e * h + e * 3 * mi * h + 3 * mi * h  # router, routed experts, one shared expert
+    expected = 2 * v * h + 4 * (mla + 2 * h) + dense + 3 * moe + h
+    assert plan.expected_numel(cfg.model) == expected
+    assert plan.count_parameters(cfg.model).total.total == expected
+
+
+def test_param_shapes_use_hugging_face_names(deepseek):
+    shapes = plan.param_shapes(deepseek.model)
+    assert shapes["model.layers.3.mlp.experts.gate_up_proj"] == (256, 4096, 7168)
+    assert shapes["model.layers.3.mlp.experts.down_proj"] == (256, 7168, 2048)
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (18432, 7168)
+    assert shapes["model.layers.0.self_attn.kv_b_proj.weight"] == (128 * 256, 512)
+    assert shapes["model.layers.61.eh_proj.weight"] == (7168, 14336)
+    assert not any("e_score_correction_bias" in n for n in shapes)
+    tied = load_config(str(CONFIGS / "moe_tiny.yaml"), ["model.tie_word_embeddings=true"]).model
+    assert "lm_head.weight" not in plan.param_shapes(tied)
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+def test_bubble_fraction():
+    assert plan.bubble_fraction(16, 16) == pytest.approx(15 / 31)
+    assert plan.bubble_fraction(4, 12) == pytest.approx(3 / 15)
+    assert plan.bubble_fraction(1, 8) == 0
+
+
+def test_in_flight_is_min_of_remaining_stages_and_micro_batches():
+    assert [plan.in_flight(s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [plan.in_flight(s, 4, 2) for s in range(4)] == [2, 2, 2, 1]
+
+
+def test_balanced_partition():
+    assert plan.balanced_partition(126, 16) == [7] + [8] * 14 + [7]  # Llama 3 405B's split
+    split = plan.balanced_partition(61, 16)
+    assert sum(split) == 61 and max(split) - min(split) == 1 and split[0] == split[-1] == 3
+    assert plan.balanced_partition(5, 2) == [3, 2]
+    with pytest.raises(plan.PlanError):
+        plan.balanced_partition(3, 4)
+
+
+# ----------------------------------------------------------------------------- all-to-all
+
+# 4 experts on 2 EP ranks: experts 0, 1 on rank 0; 2, 3 on rank 1. Top-2 routing.
+ROUTING = [
+    [[0, 1], [0, 2], [2, 3]],  # rank 0's tokens: 0 + 1 + 2 = 3 copies leave; with dedup 0 + 1 + 1 = 2
+    [[3, 0], [1, 0], [0, 2]],  # rank 1's tokens: 1 + 2 + 1 = 4 copies leave; with dedup 1 + 1 + 1 = 3
+]
+
+
+def test_alltoall_exact_on_a_hand_made_routing():
+    got = plan.alltoall_bytes_exact(ROUTING, n_experts=4, ep=2, rank=0, hidden=3, bytes_per_elem=2)
+    row = 3 * 2
+    assert (got.dispatch_send, got.dispatch_recv) == (3 * row, 4 * row)
+    assert (got.combine_send, got.combine_recv) == (4 * row, 3 * row)
+    assert got.total == 14 * row
+    dedup = plan.alltoall_bytes_exact(ROUTING, 4, 2, rank=1, hidden=3, bytes_per_elem=2, dedup=True)
+    assert (dedup.dispatch_send, dedup.dispatch_recv) == (3 * row, 2 * row)
+    assert plan.remote_copies(ROUTING, 4, 2) == [[0, 3], [4, 0]]
+
+
+def test_alltoall_entry_point_dispatches_on_routing():
+    exact = plan.alltoall_bytes(3, 2, 3, 2, 2, routing=ROUTING, n_experts=4, rank=1)
+    assert exact.dispatch_send == 4 * 6
+    with pytest.raises(plan.PlanError):
+        plan.alltoall_bytes_exact([[[0, 4]], [[1, 2]]], 4, 2, 0, 3, 2)  # expert 4 does not exist
+
+
+def test_expected_alltoall():
+    assert plan.alltoall_bytes_expected(4096, 8, 7168, 1, 2).total == 0
+    assert plan.alltoall_bytes_expected(4096, 8, 7168, 1, 2, 256, dedup=True).total == 0
+    sent = plan.alltoall_bytes_expected(4096, 8, 7168, 64, 2).sent
+    assert sent == pytest.approx(4096 * 8 * 7168 * 2 * 2 * (1 - 1 / 64))
+
+
+def _group_limited_routing(rng, tokens, n_experts, topk, n_group, topk_group):
+    per_group = n_experts // n_group
+    out = []
+    for _ in range(tokens):
+        groups = rng.sample(range(n_group), topk_group)
+        pool = [g * per_group + i for g in groups for i in range(per_group)]
+        out.append(rng.sample(pool, topk))
+    return out
+
+
+@pytest.mark.parametrize("dedup", [False, True])
+@pytest.mark.parametrize("ep,n_group,topk_group", [(4, 1, 1), (4, 8, 2), (8, 4, 2)])
+def test_expected_matches_random_uniform_routing(dedup, ep, n_group, topk_group):
+    rng = random.Random(0)
+    e, k, tokens = 32, 4, 1500
+    routing = [_group_limited_routing(rng, tokens, e, k, n_group, topk_group) for _ in range(ep)]
+    measured = sum(plan.alltoall_bytes_exact(routing, e, ep, r, 1, 1, dedup).dispatch_send for r in range(ep)) / ep
+    expected = plan.alltoall_bytes_expected(tokens, k, 1, ep, 1, e, dedup, n_group, topk_group).dispatch_send
+    assert measured == pytest.approx(expected, rel=0.03)
+
+
+def test_node_limited_dedup_reaches_at_most_topk_group_ranks():
+    # 8 groups of 4 experts on 4 ranks (2 whole groups each): a token reaches at most 2 ranks.
+    assert plan.expected_remote_ranks(32, 8, 4, n_group=8, topk_group=2) <= 2
+    routing = [_group_limited_routing(random.Random(r), 200, 32, 8, 8, 2) for r in range(4)]
+    copies = plan.remote_copies(routing, 32, 4, dedup=True)
+    assert all(sum(row) <= 2 * 200 for row in copies)
+    assert plan.expected_remote_ranks(32, 8, 4) > 2  # without the group limit it is more
+
+
+# ----------------------------------------------------------------------------- memory and traffic
+
+def test_zero_shards_dense_over_dp_and_experts_over_edp():
+    p = plan.RankParams(dense=1000.0, expert=100.0)
+    mixed = plan.PRECISIONS["mixed"]
+    z1 = plan.model_state_bytes(p, mixed, 1, dense_group=10, expert_group=2)
+    assert (z1.params, z1.grads, z1.optimizer) == (2 * 1100, 2 * 1100, 12 * (100 + 50))
+    z3 = plan.model_state_bytes(p, plan.PRECISIONS["fp32"], 3, 10, 2)
+    assert (z3.params, z3.grads, z3.optimizer) == (4 * 150, 4 * 150, 8 * 150)
+
+
+def test_zero_comm_volumes():
+    mixed, n, g = plan.PRECISIONS["mixed"], 1e9, 8
+    f = (g - 1) / g
+    assert plan.zero_comm(n, g, 0, 4, mixed).all_reduce == pytest.approx(2 * f * n * 2)
+    assert plan.zero_comm(n, g, 1, 4, mixed).total == pytest.approx(2 * f * n * 2)
+    assert plan.zero_comm(n, g, 3, 4, mixed).total == pytest.approx(4 * 3 * f * n * 2)
+
+
+def test_deepseek_plan_on_2048_gpus(deepseek):
+    result = plan.make_plan(deepseek, 2048)
+    assert (result.dp, result.edp, result.micro_batches) == (128, 2, 120)
+    assert result.stages[0].activations.in_flight == 16
+    assert result.bubble == pytest.approx(15 / 135)
+    assert result.stages[1].params.expert == pytest.approx(4 * 256 * 3 * 7168 * 2048 / 64)
+    assert result.stages[0].moe_blocks == 0 and result.stages[-1].moe_blocks == 4  # 3 layers + MTP
+    for s in result.stages:
+        assert s.activations.full_recompute < s.activations.no_recompute
+    assert result.fits
+    assert not plan.make_plan(load_config(str(CONFIGS / "deepseek_v3_671b.yaml"),
+                                          ["parallel.recompute=none"]), 2048).fits
+
+
+def test_llama3_128k_layout_uses_context_parallelism():
+    cfg = load_config(str(CONFIGS / "llama3_405b_128k.yaml"))
+    result = plan.make_plan(cfg, 16384)
+    assert (result.dp, result.cp, result.tp, result.micro_batches, result.dense_group) == (8, 16, 8, 16, 128)
+    assert all(s.comm.context > 0 and s.comm.all_to_all == 0 for s in result.stages)
+
+
+# ----------------------------------------------------------------------------- command line
+
+def test_cli_plan_json_and_help():
+    out = run_cli("--config", "configs/moe_tiny.yaml", "--gpus", "2", "--set", "parallel.ep=2", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["dp"] == 2 and data["ep"] == 2 and data["params"]["total"]["total"] > 0
+    helped = run_cli("--help")
+    assert helped.returncode == 0 and "zero --params" in helped.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config", "configs/missing.yaml", "--gpus", "8"], "config file configs/missing.yaml does not exist"),
+    (["--config", "configs/deepseek_v3_671b.yaml", "--gpus", "100"], "world size (100) must be a multiple"),
+    (["--config", "configs/moe_tiny.yaml", "--gpus", "2", "--set", "parallel.pp=two"],
+     "parallel.pp must be of type int"),
+])
+def test_cli_bad_input_is_one_sentence(args, message):
+    out = run_cli(*args)
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and out.stdout == ""
+
+
+def test_cli_plan_that_does_not_fit_exits_3():
+    out = run_cli("--config", "configs/deepseek_v3_671b.yaml", "--gpus", "2048", "--gpu-memory-gb", "20")
+    assert out.returncode == 3
+    assert "does not fit" in out.stderr and "Traceback" not in out.stderr
+    assert "Verdict" in out.stdout
