@@ -20,6 +20,7 @@ import torch.distributed as dist
 from . import checkpoint
 from .config import Config, Layout, TrainConfig
 from .data import open_data
+from .expert_load import imbalance_stats, write_expert_load
 from .metrics import MetricSink, peak_memory_gb, peak_tflops, train_flops_per_token
 from .models.registry import build_model, moe_layers
 from .moe import balance
@@ -214,7 +215,7 @@ class Trainer:
     def expert_metrics(self, expert: dict) -> dict:
         load = self._load_interval
         self._load_interval = torch.zeros_like(load)
-        stats = balance.imbalance(load)
+        stats = imbalance_stats(load)
         bias = torch.stack([m.gate.e_score_correction_bias.detach().float().cpu() for m in self.moe])
         out = {"expert.max_over_mean": float(stats["max_over_mean"].mean()),
                "expert.cv": float(stats["cv"].mean()),
@@ -227,7 +228,6 @@ class Trainer:
             out[f"expert_layer{layer_id}.max_over_mean"] = float(stats["max_over_mean"][i])
             out[f"expert_layer{layer_id}.cv"] = float(stats["cv"][i])
         if self.sink:
-            from .expert_load import write_expert_load
             write_expert_load(self.out_dir, self.step, load, bias=bias, layer_ids=self.moe_layer_ids)
             for i, layer_id in enumerate(self.moe_layer_ids):
                 self.sink.histogram(f"expert_load/layer{layer_id}", load[i], self.step)

@@ -34,14 +34,3 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE z-loss: mean of logsumexp(logits)^2, keeps router logits small."""
     return torch.logsumexp(logits, dim=-1).pow(2).mean()
 
-
-def imbalance(counts: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-layer summary of counts (L, E): max/mean, coefficient of variation,
-    fraction of experts under 10% of the mean."""
-    c = counts.float()
-    mean = c.mean(-1).clamp_min(1e-9)
-    return {
-        "max_over_mean": c.max(-1).values / mean,
-        "cv": c.std(-1, unbiased=False) / mean,
-        "frac_below_10pct": (c < 0.1 * mean[:, None]).float().mean(-1),
-    }
