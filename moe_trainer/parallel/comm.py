@@ -4,6 +4,7 @@ Backward of an all-to-all is the all-to-all with the splits swapped.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Optional
 
@@ -41,7 +42,7 @@ def _exchange(x, out_splits, in_splits, group, counter, kind):
     dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
     if counter is not None:
         me = dist.get_rank(group)
-        row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+        row = math.prod(x.shape[1:]) * x.element_size()  # bytes per row; x may have 0 rows
         counter.add(kind, (sum(in_splits) - in_splits[me]) * row, (sum(out_splits) - out_splits[me]) * row)
     return out
 
