@@ -351,8 +351,10 @@ def _stack_experts(tensors: dict[str, torch.Tensor], missing: list[str]) -> dict
         n = max(e for e, _ in parts) + 1
         absent = [f"{prefix}.{e}.{p}.weight" for e in range(n) for p in ("gate_proj", "up_proj", "down_proj")
                   if (e, p) not in parts]
-        if absent or f"{prefix}.gate_up_proj" in tensors:
-            missing.extend(absent or [f"{prefix}.gate_up_proj (stored both stacked and per expert)"])
+        if f"{prefix}.gate_up_proj" in tensors:
+            raise HFFormatError(f"the checkpoint stores the experts of {prefix} both stacked and per expert.")
+        if absent:
+            missing.extend(absent)
             continue
         try:
             out[f"{prefix}.gate_up_proj"] = torch.stack(
@@ -598,7 +600,10 @@ def _replace_dir(tmp: Path, path: Path) -> None:
         old = path.with_name(f".{path.name}.old-{os.getpid()}")
         path.rename(old)
         tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()
     else:
         tmp.rename(path)
 
@@ -639,5 +644,17 @@ def model_yaml(cfg: ModelConfig) -> str:
     return yaml.safe_dump({"model": dataclasses.asdict(cfg)}, sort_keys=False)
 
 
+def save_model_yaml(cfg: ModelConfig, path: PathLike) -> Path:
+    """`model_yaml` written to a temp file and renamed into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(model_yaml(cfg))
+    os.replace(tmp, path)
+    return path
+
+
 __all__ = ["HFFormatError", "from_hf", "to_hf", "hf_config_to_model_config", "model_config_to_hf",
-           "hf_state_dict", "convert_hf_state_dict", "load_weights_file", "save_weights_file", "model_yaml"]
+           "hf_state_dict", "convert_hf_state_dict", "load_weights_file", "save_weights_file", "model_yaml",
+           "save_model_yaml"]

@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""Convert weights between Hugging Face checkpoint directories and moe_trainer.
+
+  python tools/convert_hf.py import HF_DIR OUT.safetensors [--config-out OUT.yaml]
+  python tools/convert_hf.py export --config configs/X.yaml --weights W.safetensors OUT_DIR [--set k=v ...]
+
+import: a DeepSeek-V3 (DeepseekV3ForCausalLM, FP8 or not) or Llama (LlamaForCausalLM)
+  directory (config.json + *.safetensors, sharded or not) -> one safetensors file keyed
+  by our parameter names, plus a YAML file with the matching `model:` section.
+export: our weights (a safetensors file of our names, or a run checkpoint directory
+  such as runs/X/checkpoints/step_N/) and the run's config -> a directory that
+  transformers.AutoModelForCausalLM.from_pretrained loads. Without --config, the
+  config.yaml of the run directory holding the checkpoint is used.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from moe_trainer import hf  # noqa: E402
+from moe_trainer.config import ConfigError, load_config  # noqa: E402
+from moe_trainer.models.registry import build_model  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def cmd_import(args) -> str:
+    model = hf.from_hf(args.hf_dir)
+    out = Path(args.out)
+    config_out = Path(args.config_out) if args.config_out else out.with_suffix(".yaml")
+    hf.save_weights_file(model, out)
+    hf.save_model_yaml(model.cfg, config_out)
+    n = sum(p.numel() for p in model.parameters())
+    return f"wrote {out} ({n:,} parameters, {model.cfg.arch}) and its model config {config_out}"
+
+
+def find_run_config(weights: Path) -> Path:
+    """runs/X/checkpoints/step_N[/model.safetensors] -> runs/X/config.yaml."""
+    for parent in list(weights.resolve().parents)[:4]:
+        if (parent / "config.yaml").is_file():
+            return parent / "config.yaml"
+    raise hf.HFFormatError(f"no --config given and no config.yaml found above {weights}; pass --config.")
+
+
+def cmd_export(args) -> str:
+    weights = Path(args.weights)
+    config = args.config or str(find_run_config(weights))
+    cfg = load_config(config, args.set)
+    model = build_model(cfg.model)
+    hf.load_weights_file(model, weights)
+    out = hf.to_hf(model, args.out_dir, dtype=DTYPES[args.dtype], stacked_experts=args.stacked_experts,
+                   overwrite=args.overwrite)
+    return f"wrote {out} (config.json + safetensors, {args.dtype}) for transformers' AutoModelForCausalLM"
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="Hugging Face directory -> our safetensors + model YAML")
+    imp.add_argument("hf_dir", help="Hugging Face checkpoint directory (config.json + *.safetensors)")
+    imp.add_argument("out", help="safetensors file to write, keyed by our parameter names")
+    imp.add_argument("--config-out", help="YAML file for the model section (default: OUT with .yaml)")
+    imp.set_defaults(run=cmd_import)
+    exp = sub.add_parser("export", help="our weights + config -> Hugging Face directory")
+    exp.add_argument("out_dir", help="directory to write (must not exist or be empty, unless --overwrite)")
+    exp.add_argument("--weights", required=True,
+                     help="safetensors file of our names, or a checkpoint directory holding model.safetensors")
+    exp.add_argument("--config", help="run config YAML (default: config.yaml of the run holding --weights)")
+    exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    exp.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype to write")
+    exp.add_argument("--stacked-experts", action="store_true",
+                     help="write experts stacked (gate_up_proj / down_proj) instead of one tensor per expert")
+    exp.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    exp.set_defaults(run=cmd_export)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        print(args.run(args))
+    except (hf.HFFormatError, ConfigError, OSError) as e:
+        print(f"convert_hf: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
