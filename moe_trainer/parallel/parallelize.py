@@ -23,6 +23,9 @@ def parallelize(model: torch.nn.Module, cfg: Config, mesh: Mesh, counter: Option
     for key, value in unsupported.items():
         if value > 1:
             raise ConfigError(f"{key} > 1 is not implemented yet in this version of moe_trainer; set it to 1.")
+    if p.dedup_dispatch:
+        raise ConfigError("parallel.dedup_dispatch is not implemented yet in this version of moe_trainer; "
+                          "set it to false.")
     if p.recompute != "none":
         raise ConfigError("parallel.recompute is not implemented yet in this version of moe_trainer; set it to none.")
     return apply_expert_parallel(model, mesh, counter)
