@@ -37,6 +37,20 @@ def capacity_keep(sorted_expert: torch.Tensor, counts: torch.Tensor, capacity: i
     return pos < capacity
 
 
+def route_order(topk_idx: torch.Tensor, n_experts: int, capacity_factor: Optional[float]
+                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Expert-sorted order of the routed copies, per-expert counts, and the number
+    of copies dropped by a capacity of ceil(cf * N * k / E) per expert (if set)."""
+    n, k = topk_idx.shape
+    order, counts = sort_by_expert(topk_idx, n_experts)
+    if capacity_factor is None:
+        return order, counts, 0
+    capacity = math.ceil(capacity_factor * n * k / n_experts)
+    keep = capacity_keep(topk_idx.reshape(-1)[order], counts, capacity)
+    dropped = int((~keep).sum())  # host sync, only with a capacity
+    return order[keep], counts.clamp(max=capacity), dropped
+
+
 @dataclass
 class _LocalCtx:
     token_of: torch.Tensor  # (M,) source token of each sorted row
@@ -52,14 +66,7 @@ class LocalDispatcher:
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> Dispatched:
         n, k = topk_idx.shape
-        order, counts = sort_by_expert(topk_idx, self.n_experts)
-        dropped = 0
-        if self.capacity_factor is not None:
-            capacity = math.ceil(self.capacity_factor * n * k / self.n_experts)
-            keep = capacity_keep(topk_idx.reshape(-1)[order], counts, capacity)
-            dropped = int((~keep).sum())  # host sync, only with a capacity
-            order = order[keep]
-            counts = counts.clamp(max=capacity)
+        order, counts, dropped = route_order(topk_idx, self.n_experts, self.capacity_factor)
         token_of = order // k
         gate = topk_weight.reshape(-1)[order]
         return Dispatched(x[token_of], gate, counts.tolist(), _LocalCtx(token_of, n), dropped)  # .tolist(): host sync

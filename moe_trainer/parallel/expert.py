@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..moe.dispatcher import Dispatched, capacity_keep, sort_by_expert
+from ..moe.dispatcher import Dispatched, route_order
 from ..moe.layer import MoE
 from .comm import CommCounter, all_to_all_rows
 from .mesh import Mesh
@@ -45,13 +45,8 @@ class AllToAllDispatcher:
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> Dispatched:
         n, k = topk_idx.shape
-        order, counts = sort_by_expert(topk_idx, self.n_experts)
-        dropped = 0
-        if self.capacity_factor is not None:  # a per-source-rank capacity
-            capacity = int(-(-self.capacity_factor * n * k // self.n_experts))
-            keep = capacity_keep(topk_idx.reshape(-1)[order], counts, capacity)
-            dropped = int((~keep).sum())
-            order, counts = order[keep], counts.clamp(max=capacity)
+        # a capacity, if set, applies per source rank
+        order, counts, dropped = route_order(topk_idx, self.n_experts, self.capacity_factor)
         token_of = order // k
         # 1. exchange per-expert counts: recv[s, e] = rows rank s sends to my local expert e
         recv = torch.empty_like(counts)
