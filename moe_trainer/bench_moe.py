@@ -297,7 +297,7 @@ def write_md(args, raw, roof, results, fl, elapsed):
             line += (f"; {100*o['roof_frac']:.1f}% of roofline (target {100*tgt_roof:.0f}%: "
                      f"{'met' if o['roof_frac'] >= tgt_roof else 'MISSED'})")
         L.append(line + ".")
-    L.append("")
+    L += ["", ""]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(L))
