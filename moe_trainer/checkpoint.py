@@ -122,31 +122,40 @@ def _rng_state() -> torch.Tensor:
 # ----------------------------------------------------------------------------- save
 
 def save(trainer) -> Optional[Path]:
-    """Write checkpoints/step_<N> (all ranks call; rank 0 writes)."""
+    """Write checkpoints/step_<N> (collective).
+
+    One rank per pipeline stage (data-parallel index 0) writes that stage's
+    weights and moments; rank 0 then writes RNG states, state.json and the
+    manifest, renames the directory into place and updates `latest`.
+    """
     model_state, opt_state = gather_state(trainer)
+    rng = _rng_state().tolist()
     rngs = [None] * trainer.layout.world
-    rng = _rng_state()
     if dist.is_initialized() and trainer.layout.world > 1:
-        dist.all_gather_object(rngs, rng.tolist())  # a few KB of ints between our own ranks
+        dist.all_gather_object(rngs, rng)  # a few KB of ints between our own ranks
     else:
-        rngs = [rng.tolist()]
-    path = None
+        rngs = [rng]
+    root = trainer.out_dir / "checkpoints"
+    final = root / f"step_{trainer.step}"
+    tmp = root / f".step_{trainer.step}.tmp"
     if trainer.mesh.rank == 0:
-        path = _write(trainer, model_state, opt_state, rngs)
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    trainer.barrier()
+    m = trainer.mesh
+    if m.index("dpcp") == 0 and m.coord["tp"] == 0:
+        stage = m.coord["pp"]
+        save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / f"model-pp{stage}.safetensors"),
+                  metadata={"format": "moe_trainer.v1"})
+        save_file({k: v.contiguous() for k, v in opt_state.items()}, str(tmp / f"optimizer-pp{stage}.safetensors"))
+    trainer.barrier()
+    path = _finish(trainer, tmp, final, rngs) if trainer.mesh.rank == 0 else None
     trainer.barrier()
     return path
 
 
-def _write(trainer, model_state: dict, opt_state: dict, rngs: list) -> Path:
-    root = trainer.out_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{trainer.step}"
-    tmp = root / f".step_{trainer.step}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"),
-              metadata={"format": "moe_trainer.v1"})
-    save_file({k: v.contiguous() for k, v in opt_state.items()}, str(tmp / "optimizer.safetensors"))
+def _finish(trainer, tmp: Path, final: Path, rngs: list) -> Path:
     save_file({f"rank{r}": torch.tensor(s, dtype=torch.uint8) for r, s in enumerate(rngs)},
               str(tmp / "rng.safetensors"))
     state = {"step": trainer.step, "adam_step": adam_step(trainer.engine), "data_position": trainer.step,
@@ -159,8 +168,8 @@ def _write(trainer, model_state: dict, opt_state: dict, rngs: list) -> Path:
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    atomic_write_text(root / "latest", final.name + "\n")
-    prune(root, trainer.cfg.train.keep_checkpoints)
+    atomic_write_text(final.parent / "latest", final.name + "\n")
+    prune(final.parent, trainer.cfg.train.keep_checkpoints)
     return final
 
 
@@ -228,6 +237,18 @@ def _load_safetensors(path: Path) -> dict:
         raise CheckpointError(f"{path} is not a readable safetensors file ({e}).") from None
 
 
+def _load_all(path: Path, kind: str) -> dict:
+    """Merge the per-stage files (`model-pp0.safetensors`, ...) of a checkpoint:
+    any layout can read what any layout wrote."""
+    files = sorted(path.glob(f"{kind}-pp*.safetensors"))
+    if not files:
+        raise CheckpointError(f"checkpoint {path} has no {kind} files.")
+    merged: dict = {}
+    for f in files:
+        merged.update(_load_safetensors(f))
+    return merged
+
+
 def load(path: Path, trainer) -> int:
     """Restore weights, optimizer state, RNG and step from a verified checkpoint."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
@@ -235,8 +256,8 @@ def load(path: Path, trainer) -> int:
     if state.get("arch") != trainer.cfg.model.arch:
         raise CheckpointError(f"checkpoint {path} holds a {state.get('arch')} model, but model.arch is "
                               f"{trainer.cfg.model.arch}.")
-    weights = _load_safetensors(path / "model.safetensors")
-    moments = _load_safetensors(path / "optimizer.safetensors")
+    weights = _load_all(path, "model")
+    moments = _load_all(path, "optimizer")
     module = trainer.engine.module
     expected = {n: p for n, p in module.named_parameters()}
     expected.update({n: b for n, b in module.named_buffers() if n.endswith("e_score_correction_bias")})

@@ -611,13 +611,14 @@ def _replace_dir(tmp: Path, path: Path) -> None:
 # ----------------------------------------------------------------------------- our own weight files
 
 def load_weights_file(model: torch.nn.Module, path: PathLike) -> None:
-    """Load a safetensors file keyed by our names (e.g. checkpoints/step_N/model.safetensors) into `model`."""
+    """Load a safetensors file keyed by our names, or a run checkpoint directory
+    (checkpoints/step_N/, one model-pp<stage>.safetensors per pipeline stage), into `model`."""
     path = Path(path)
-    if path.is_dir():
-        path = path / "model.safetensors"
-    if not path.is_file():
-        raise HFFormatError(f"weights file {path} does not exist.")
-    load_checked(model, read_safetensors([path]), str(path))
+    files = sorted(path.glob("model-pp*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise HFFormatError(f"weights {path} is neither a safetensors file nor a checkpoint directory with "
+                            f"model-pp*.safetensors files.")
+    load_checked(model, read_safetensors(files), str(path))
 
 
 def save_weights_file(model: torch.nn.Module, path: PathLike) -> Path:

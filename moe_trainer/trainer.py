@@ -25,7 +25,8 @@ from .metrics import MetricSink, peak_memory_gb, peak_tflops, train_flops_per_to
 from .models.registry import build_model, moe_layers
 from .moe import balance
 from .parallel.comm import CommCounter
-from .parallel.mesh import Mesh
+from .parallel.mesh import DeepSpeedMPU, Mesh
+from .parallel.pipeline import PipelineExecutor, Trace, build_stage
 from .parallel.parallelize import parallelize
 from .parallel.zero import build_engine, set_lr
 
@@ -38,12 +39,37 @@ def get_lr(step: int, t: TrainConfig) -> float:
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def all_moe_layer_ids(m) -> list[int]:
+    """Global ids of the MoE layers: main layers from first_k_dense_replace on,
+    then one per MTP depth (ids after the main layers, as in DeepSeek's checkpoints)."""
+    if m.arch != "deepseek_v3":
+        return []
+    main = [i for i in range(m.num_hidden_layers) if i >= m.first_k_dense_replace]
+    return main + [m.num_hidden_layers + k for k in range(m.num_nextn_predict_layers)]
+
+
+def _global_layer_id(name: str, m) -> int:
+    """'layers.3.mlp' -> 3; 'mtp.0.block.mlp' -> num_hidden_layers + 0."""
+    kind, idx = name.split(".")[:2]
+    return int(idx) if kind == "layers" else m.num_hidden_layers + int(idx)
+
+
+def loss_keys(m) -> list[str]:
+    keys = ["lm"]
+    if m.arch == "deepseek_v3" and m.num_nextn_predict_layers:
+        keys.append("mtp")
+    if m.arch == "deepseek_v3" and (m.seq_aux_loss_alpha > 0 or m.router_z_loss_coef > 0):
+        keys.append("aux")
+    return keys
+
+
 @dataclass
 class StepTimes:
     data: float = 0.0
     forward: float = 0.0
     backward: float = 0.0
     optimizer: float = 0.0
+    pipeline_wait: float = 0.0
 
     def as_dict(self) -> dict:
         return {f"time.{k}_s": v for k, v in self.__dict__.items()}
@@ -62,16 +88,21 @@ class Trainer:
         model = build_model(cfg.model, cfg.run.seed)
         self.comm = CommCounter()
         self.model = parallelize(model, cfg, mesh, self.comm)
-        self.engine = build_engine(self.model, cfg, self.layout, mpu=None)
-        self.moe = [m for _, m in moe_layers(self.model)]
-        self.moe_layer_ids = [int(name.split(".")[1]) if name.startswith("layers.") else
-                              cfg.model.num_hidden_layers + int(name.split(".")[1])
-                              for name, _ in moe_layers(self.model)]
+        self.pipelined = self.layout.pp > 1
+        if self.pipelined:
+            self.model = build_stage(self.model, cfg, mesh.coord["pp"], t.seq_len)
+        self.engine = build_engine(self.model, cfg, self.layout, mpu=DeepSpeedMPU(mesh))
+        self.executor = self._build_executor() if self.pipelined else None
+        # every MoE layer of the model (global ids); this stage owns some rows
+        self.moe_layer_ids = all_moe_layer_ids(cfg.model)
+        local = {_global_layer_id(name, cfg.model): m for name, m in moe_layers(self.model)}
+        self.moe = [(self.moe_layer_ids.index(i), m) for i, m in local.items()]
+        self.loss_keys = loss_keys(cfg.model)
         self.step = 0
         self.sink: Optional[MetricSink] = None
         self.flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
         self.peak, self.peak_source = peak_tflops(cfg.metrics.peak_tflops, self.dtype, device)
-        self._load_interval = torch.zeros(len(self.moe), cfg.model.n_routed_experts)
+        self._load_interval = torch.zeros(len(self.moe_layer_ids), cfg.model.n_routed_experts)
         self._stopping = False
 
     # ------------------------------------------------------------------ setup
@@ -122,10 +153,19 @@ class Trainer:
                                             self.mesh.dp_rank, self.layout.dp).to(self.device)
         return batch[:, :-1], batch[:, 1:]
 
+    def _build_executor(self) -> PipelineExecutor:
+        t, m = self.cfg.train, self.cfg.model
+        width = m.hidden_size * (2 if m.arch == "deepseek_v3" and m.num_nextn_predict_layers else 1)
+        self.trace = Trace(enabled=self.cfg.debug.trace_pipeline)
+        return PipelineExecutor(self.engine, self.model, self.mesh, self.layout.grad_accum,
+                                (t.micro_batch_size, t.seq_len, width), self.dtype, self.device, trace=self.trace)
+
     def train_step(self) -> dict:
+        set_lr(self.engine, get_lr(self.step, self.cfg.train))
+        if self.pipelined:
+            return self.pipeline_step()
         t0 = time.perf_counter()
         times = StepTimes()
-        set_lr(self.engine, get_lr(self.step, self.cfg.train))
         sums: dict[str, torch.Tensor] = {}
         for micro in range(self.layout.grad_accum):
             ta = time.perf_counter()
@@ -144,38 +184,70 @@ class Trainer:
             for k, v in out.losses.items():
                 sums[k] = sums.get(k, 0.0) + v.float()
         expert = self.update_expert_bias()
-        losses = self.mean_over_dp({k: v / self.layout.grad_accum for k, v in sums.items()})
+        losses = self.reduce_losses({k: v / self.layout.grad_accum for k, v in sums.items()})
         step_time = time.perf_counter() - t0
         return {"losses": losses, "times": times, "step_time": step_time, "expert": expert,
                 "comm": self.comm.reset()}
 
-    def mean_over_dp(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
-        keys = sorted(values)
-        vec = torch.stack([values[k].detach().float().reshape(()) for k in keys]).to(self.device)
+    def pipeline_step(self) -> dict:
+        self.barrier()  # a common start, so the trace's stages line up
+        t0 = time.perf_counter()
+        self.trace.events.clear()
+        self.trace.start()
+        res = self.executor.step(self.micro_batch)
+        times = StepTimes(forward=res.forward_s, backward=res.backward_s, pipeline_wait=res.wait_s)
+        expert = self.update_expert_bias()
+        losses = self.reduce_losses({k: v / self.layout.grad_accum for k, v in res.losses.items()})
+        step_time = time.perf_counter() - t0
+        return {"losses": losses, "times": times, "step_time": step_time, "expert": expert,
+                "comm": self.comm.reset()}
+
+    def reduce_losses(self, values: dict) -> dict[str, float]:
+        """Loss components summed over pipeline stages (each stage adds what it
+        computed: the last stage the LM and MTP losses, every stage its MoE aux
+        losses), then averaged over data-parallel ranks."""
+        vec = torch.stack([torch.as_tensor(values.get(k, 0.0), dtype=torch.float32).detach().reshape(())
+                           for k in self.loss_keys]).to(self.device)
+        if self.mesh.group("pp") is not None:
+            dist.all_reduce(vec, group=self.mesh.group("pp"))
         if self.mesh.group("dp") is not None:
             dist.all_reduce(vec, group=self.mesh.group("dp"))
             vec /= self.mesh.size("dp")
-        return dict(zip(keys, vec.tolist()))  # .tolist(): host sync, once per step
+        return dict(zip(self.loss_keys, vec.tolist()))  # .tolist(): host sync, once per step
 
     @torch.no_grad()
     def update_expert_bias(self) -> Optional[dict]:
         """Aux-loss-free balancing: counts summed over every rank that routed tokens,
         so every replica of each bias moves identically."""
-        if not self.moe:
+        if not self.moe_layer_ids:
             return None
-        counts = torch.stack([m.tokens_per_expert for m in self.moe])  # (L, E)
-        stats = torch.stack([m.stats for m in self.moe]).to(counts.device)  # (L, 5)
-        group = self.mesh.group("dpcp")
-        if group is not None:
-            dist.all_reduce(counts, group=group)
-            dist.all_reduce(stats, group=group)
+        n, e = len(self.moe_layer_ids), self.cfg.model.n_routed_experts
+        counts = torch.zeros(n, e, device=self.device)  # rows of other stages stay 0 here
+        stats = torch.zeros(n, 5, dtype=torch.float64, device=self.device)
+        for row, m in self.moe:
+            counts[row], stats[row] = m.tokens_per_expert, m.stats
+        if self.mesh.group("dpcp") is not None:
+            dist.all_reduce(counts, group=self.mesh.group("dpcp"))
+            dist.all_reduce(stats, group=self.mesh.group("dpcp"))
         speed = self.cfg.model.bias_update_speed
-        for layer, c in zip(self.moe, counts):
+        for row, layer in self.moe:
             if speed > 0:
-                balance.update_bias(layer.gate.e_score_correction_bias, c, speed)
+                balance.update_bias(layer.gate.e_score_correction_bias, counts[row], speed)
             layer.reset_counters()
+        if self.mesh.group("pp") is not None:  # every stage's rows, for logging
+            dist.all_reduce(counts, group=self.mesh.group("pp"))
+            dist.all_reduce(stats, group=self.mesh.group("pp"))
         self._load_interval += counts.cpu()
         return {"counts": counts.cpu(), "stats": stats.cpu()}
+
+    def biases(self) -> torch.Tensor:
+        """(moe_layers, E) balancing biases, every stage's rows (collective under pp)."""
+        bias = torch.zeros(len(self.moe_layer_ids), self.cfg.model.n_routed_experts, device=self.device)
+        for row, m in self.moe:
+            bias[row] = m.gate.e_score_correction_bias.detach().float()
+        if self.mesh.group("pp") is not None:
+            dist.all_reduce(bias, group=self.mesh.group("pp"))
+        return bias.cpu()
 
     # ------------------------------------------------------------------ eval and logging
     @torch.no_grad()
@@ -185,12 +257,17 @@ class Trainer:
         model.eval()
         total = torch.zeros((), device=self.device)
         for b in range(t.eval_batches):
-            for micro in range(self.layout.grad_accum):
+            def get_batch(micro: int, b=b):
                 batch = self.val_data.micro_batch(b, micro, t.global_batch_size, t.micro_batch_size,
                                                   self.mesh.dp_rank, self.layout.dp).to(self.device)
-                total += model(batch[:, :-1], batch[:, 1:]).losses["lm"].float()
+                return batch[:, :-1], batch[:, 1:]
+            if self.pipelined:
+                total += self.executor.forward_only(get_batch).get("lm", 0.0)
+            else:
+                for micro in range(self.layout.grad_accum):
+                    total += model(*get_batch(micro)).losses["lm"].float()
         model.train()
-        return self.mean_over_dp({"val": total / (t.eval_batches * self.layout.grad_accum)})["val"]
+        return self.reduce_losses({"lm": total / (t.eval_batches * self.layout.grad_accum)})["lm"]
 
     def log(self, r: dict) -> dict:
         t = self.cfg.train
@@ -216,7 +293,7 @@ class Trainer:
         load = self._load_interval
         self._load_interval = torch.zeros_like(load)
         stats = imbalance_stats(load)
-        bias = torch.stack([m.gate.e_score_correction_bias.detach().float().cpu() for m in self.moe])
+        bias = self.biases()
         out = {"expert.max_over_mean": float(stats["max_over_mean"].mean()),
                "expert.cv": float(stats["cv"].mean()),
                "expert.frac_below_10pct": float(stats["frac_below_10pct"].mean()),

@@ -26,8 +26,8 @@ def test_expert_parallel_matches_one_rank(tmp_path, reference, world, ep):
     for s in one:
         assert abs(one[s] - many[s]) / abs(one[s]) < 1e-4, (s, one[s], many[s])
     # final weights (gathered from every EP rank under global expert ids) equal the 1-rank run's
-    a = load_file(str(reference / "checkpoints" / "step_5" / "model.safetensors"))
-    b = load_file(str(out / "checkpoints" / "step_5" / "model.safetensors"))
+    a = load_file(str(reference / "checkpoints" / "step_5" / "model-pp0.safetensors"))
+    b = load_file(str(out / "checkpoints" / "step_5" / "model-pp0.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)

@@ -38,7 +38,7 @@ def cmd_import(args) -> str:
 
 
 def find_run_config(weights: Path) -> Path:
-    """runs/X/checkpoints/step_N[/model.safetensors] -> runs/X/config.yaml."""
+    """runs/X/checkpoints/step_N[/model-pp0.safetensors] -> runs/X/config.yaml."""
     for parent in list(weights.resolve().parents)[:4]:
         if (parent / "config.yaml").is_file():
             return parent / "config.yaml"
@@ -67,7 +67,7 @@ def parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export", help="our weights + config -> Hugging Face directory")
     exp.add_argument("out_dir", help="directory to write (must not exist or be empty, unless --overwrite)")
     exp.add_argument("--weights", required=True,
-                     help="safetensors file of our names, or a checkpoint directory holding model.safetensors")
+                     help="safetensors file of our names, or a run checkpoint directory (checkpoints/step_N)")
     exp.add_argument("--config", help="run config YAML (default: config.yaml of the run holding --weights)")
     exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     exp.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype to write")

@@ -117,18 +117,20 @@ class DeepseekV3(CausalLM):
         self.init_weights()
         self.tie_weights()
 
-    def mtp_loss(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor):
+    def mtp_loss(self, hidden: torch.Tensor, emb: torch.Tensor, labels: torch.Tensor):
         """Mean over depths k = 1..D of the CE of predicting t_{i+k+1} at position i.
 
-        hidden (B, T, d): main model's last hidden states (before the final norm).
-        Depth k sees T - k positions: token embeddings input_ids[:, k:], labels labels[:, k:].
+        hidden (B, T, d): main model's last hidden states (before the final norm);
+        emb (B, T, d): the embeddings of the input tokens (a pipeline carries
+        them from the first stage, so the embedding is never duplicated).
+        Depth k sees T - k positions: embeddings emb[:, k:], labels labels[:, k:].
         """
-        t = input_ids.shape[1]
+        t = emb.shape[1]
         h, total, aux = hidden, 0.0, None
         for k, module in enumerate(self.mtp.values(), start=1):
             n = t - k
             cos, sin = self.rope(n, h.device, h.dtype)
-            h, block_aux = module(h[:, :n], self.embed_tokens(input_ids[:, k:]), cos, sin)
+            h, block_aux = module(h[:, :n], emb[:, k:], cos, sin)
             logits = self.lm_head(module.norm(h))
             total = total + lm_loss(logits, labels[:, k:])
             aux = add_aux(aux, block_aux)

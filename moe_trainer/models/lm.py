@@ -48,6 +48,8 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        # (logits, labels) -> mean loss; tensor parallelism swaps in a vocabulary-parallel one
+        self.loss_fn = lm_loss
 
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
@@ -77,19 +79,21 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 positions: Optional[torch.Tensor] = None) -> LMOutput:
-        h = self.embed_tokens(input_ids)  # (B, T, d)
+        h = emb = self.embed_tokens(input_ids)  # (B, T, d)
         cos, sin = self.rope(input_ids.shape[1], h.device, h.dtype, positions)
         h, aux = self.run_layers(h, cos, sin)
         logits = self.lm_head(self.norm(h))
         if labels is None:
             return LMOutput(logits)
-        return self.loss(logits, labels, h, input_ids, aux)
+        return self.loss(logits, labels, h, emb, aux)
 
-    def loss(self, logits, labels, hidden, input_ids, aux) -> LMOutput:
-        main = lm_loss(logits, labels)
+    def loss(self, logits, labels, hidden, emb, aux) -> LMOutput:
+        """hidden: last layer's output before the final norm; emb: the token
+        embeddings of the inputs (multi-token prediction reuses them)."""
+        main = self.loss_fn(logits, labels)
         losses = {"lm": main.detach()}
         total = main
-        mtp = self.mtp_loss(hidden, input_ids, labels) if hasattr(self, "mtp") and len(self.mtp) else None
+        mtp = self.mtp_loss(hidden, emb, labels) if hasattr(self, "mtp") and len(self.mtp) else None
         if mtp is not None:
             mtp_loss, mtp_aux = mtp
             total = total + self.cfg.mtp_loss_weight * mtp_loss

@@ -37,6 +37,7 @@ def rank_of(layout: Layout, tp: int = 0, cp: int = 0, pp: int = 0, dp: int = 0) 
 def group_ranks(layout: Layout) -> dict[str, list[list[int]]]:
     """Pure: every group of every kind, as lists of global ranks.
 
+    mp: same (dp, cp), varying (pp, tp): one full copy of the weights.
     dp: same (tp, cp, pp), varying dp.  dpcp: same (tp, pp), varying (dp, cp)
     (ZeRO and gradient reduction for dense parameters when cp > 1).  ep / edp:
     splits of each dpcp group.  tp, cp, pp: varying that one coordinate.
@@ -52,8 +53,8 @@ def group_ranks(layout: Layout) -> dict[str, list[list[int]]]:
         for t in range(L.tp):
             for cp_i in range(L.cp):
                 out["pp"].append([rank_of(L, t, cp_i, p, dp_i) for p in range(L.pp)])
-        out["mp"].append([rank_of(L, t, c, p, dp_i) for p in range(L.pp) for c in range(L.cp)
-                          for t in range(L.tp)])
+        for cp_i in range(L.cp):  # mp: the ranks that together hold one copy of the model
+            out["mp"].append([rank_of(L, t, cp_i, p, dp_i) for p in range(L.pp) for t in range(L.tp)])
     for pp_i in range(L.pp):
         for t in range(L.tp):
             for cp_i in range(L.cp):
@@ -86,7 +87,12 @@ class Mesh:
         return self.members[kind].index(self.rank)
 
     def group(self, kind: str) -> Optional[dist.ProcessGroup]:
+        """This rank's group of that kind, None when it has one member."""
         return self.groups[kind]
+
+    def group_or_self(self, kind: str) -> dist.ProcessGroup:
+        """Like group(), but a one-rank group instead of None (for DeepSpeed's registry)."""
+        return self.groups[kind] or _single_group(self.rank)
 
     @property
     def is_last_stage(self) -> bool:
@@ -107,3 +113,69 @@ def build_mesh(layout: Layout, rank: int, distributed: bool = True) -> Mesh:
                 mesh.members[kind] = ranks
                 mesh.groups[kind] = pg if len(ranks) > 1 else None
     return mesh
+
+
+class DeepSpeedMPU:
+    """The `mpu` interface DeepSpeed queries, answered from the mesh.
+
+    DeepSpeed's "data parallel" group is where ZeRO shards and reduces dense
+    gradients: dp x cp (context-parallel ranks hold the same weights). Its
+    "model parallel" group is pp x tp: gradient norms are summed over it, and
+    parameters not marked tensor_model_parallel are counted on tp rank 0 only.
+    """
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+
+    def _group(self, kind):
+        return self.mesh.group_or_self(kind)
+
+    def get_data_parallel_group(self):
+        return self._group("dpcp")
+
+    def get_data_parallel_rank(self):
+        return self.mesh.index("dpcp")
+
+    def get_data_parallel_world_size(self):
+        return self.mesh.size("dpcp")
+
+    def get_data_parallel_group_ranks(self):
+        return list(self.mesh.members["dpcp"])
+
+    def get_model_parallel_group(self):
+        return self._group("mp")
+
+    def get_model_parallel_rank(self):
+        return self.mesh.index("mp")
+
+    def get_model_parallel_world_size(self):
+        return self.mesh.size("mp")
+
+    def get_tensor_model_parallel_group(self):
+        return self._group("tp")
+
+    def get_tensor_model_parallel_rank(self):
+        return self.mesh.index("tp")
+
+    def get_tensor_model_parallel_world_size(self):
+        return self.mesh.size("tp")
+
+    def get_tensor_model_parallel_src_rank(self):
+        return self.mesh.members["tp"][0]
+
+    def get_pipeline_model_parallel_rank(self):
+        return self.mesh.coord["pp"]
+
+    def get_pipeline_model_parallel_world_size(self):
+        return self.mesh.layout.pp
+
+
+_SINGLE: dict = {}
+
+
+def _single_group(rank: int):
+    """A one-rank group for APIs that want a group object even when a degree is 1
+    (local synchronisation: only its member takes part in creating it)."""
+    if rank not in _SINGLE:
+        _SINGLE[rank] = dist.new_group([rank], use_local_synchronization=True)
+    return _SINGLE[rank]
