@@ -357,15 +357,9 @@ def oversubscription(env: Env) -> Optional[str]:
 
 
 def unlink_shm_segment(env: Env) -> None:
-    """DeepSpeed never unlinks its ~66 MB /dev/shm workspace per rank. Every
-    rank has mapped every peer's segment once init_distributed returned on
-    all ranks (call after a barrier), so the names can go; the mappings stay."""
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}"
-            f"_{os.environ.get('MASTER_PORT', '')}_{env.rank}")
-    try:
-        os.unlink(name)
-    except FileNotFoundError:
-        pass
+    """See parallel/launch.py: DeepSpeed leaks its /dev/shm workspace."""
+    from .parallel.launch import unlink_shm_segment as unlink
+    unlink(env.rank)
 
 
 # ---------------------------------------------------------------------------

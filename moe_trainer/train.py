@@ -8,7 +8,6 @@ import argparse
 import os
 import socket
 import sys
-from datetime import timedelta
 
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config, validate_layout
@@ -53,10 +52,10 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    import deepspeed
     import torch
     from deepspeed.accelerator import get_accelerator
 
+    from .parallel.launch import init_distributed
     from .parallel.mesh import build_mesh
     from .trainer import Trainer
 
@@ -65,7 +64,7 @@ def main(argv=None) -> int:
     accel.set_device(local_rank)
     device = torch.device(accel.device_name(local_rank))
     _set_threads(device.type)
-    deepspeed.init_distributed(timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    init_distributed(cfg.parallel.timeout_s)
     rank = int(os.environ["RANK"])
     mesh = build_mesh(layout, rank)
     try:

@@ -143,6 +143,8 @@ class Trainer:
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.max_steps \
                     or self._stopping:
                 checkpoint.save(self)
+        if self.pipelined and self.trace.enabled:
+            self.write_pipeline_trace()
         if self.sink:
             self.sink.close()
         return last
@@ -201,6 +203,18 @@ class Trainer:
         step_time = time.perf_counter() - t0
         return {"losses": losses, "times": times, "step_time": step_time, "expert": expert,
                 "comm": self.comm.reset()}
+
+    def write_pipeline_trace(self) -> None:
+        """Gather the last step's events of one pipeline (data-parallel index 0) to rank 0."""
+        events = [None] * self.layout.world
+        dist.all_gather_object(events, (self.mesh.coord, self.trace.events))
+        if self.is_logger:
+            from .pipeline_trace import write_trace
+            stages = [ev for coord, ev in events if coord["dp"] == 0 and coord["tp"] == 0 and coord["cp"] == 0]
+            summary = write_trace(self.out_dir, stages, self.layout.grad_accum, self.step)
+            print(f"pipeline bubble: {100 * summary['measured_bubble']:.1f}% measured, "
+                  f"{100 * summary['theoretical_bubble']:.1f}% theoretical (p-1)/(m+p-1); "
+                  f"trace in {self.out_dir / 'pipeline_trace.json'}", flush=True)
 
     def reduce_losses(self, values: dict) -> dict[str, float]:
         """Loss components summed over pipeline stages (each stage adds what it

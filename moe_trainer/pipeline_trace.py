@@ -1,0 +1,85 @@
+"""Pipeline schedule traces: measured bubble, executed order, and a PNG timeline.
+
+Input: one list of events per stage, each {"kind", "micro", "start", "end"}
+(seconds from the step's common start), as parallel/pipeline.py's Trace records.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+COMPUTE = ("forward", "backward")
+
+
+def executed_order(events: list[dict]) -> list[tuple[str, int]]:
+    """("F" | "B", micro) in the order this stage ran them."""
+    ops = sorted((e for e in events if e["kind"] in COMPUTE), key=lambda e: e["start"])
+    return [("F" if e["kind"] == "forward" else "B", e["micro"]) for e in ops]
+
+
+def peak_in_flight_measured(events: list[dict]) -> int:
+    """Most micro-batches whose forward had ended and backward not yet started."""
+    points = []
+    for e in events:
+        if e["kind"] == "forward":
+            points.append((e["end"], 1))
+        elif e["kind"] == "backward":
+            points.append((e["start"], -1))
+    live = peak = 0
+    for _, delta in sorted(points, key=lambda p: (p[0], p[1])):
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def measured_bubble(stages: list[list[dict]]) -> float:
+    """Share of the step's span that the stages spent not computing, averaged over stages."""
+    starts = [e["start"] for ev in stages for e in ev if e["kind"] in COMPUTE]
+    ends = [e["end"] for ev in stages for e in ev if e["kind"] in COMPUTE]
+    span = max(ends) - min(starts)
+    idle = [1.0 - sum(e["end"] - e["start"] for e in ev if e["kind"] in COMPUTE) / span for ev in stages]
+    return sum(idle) / len(idle)
+
+
+def write_trace(out_dir: Path, stages: list[list[dict]], micro_batches: int, step: int) -> dict:
+    """pipeline_trace.json and pipeline_trace.png in the run directory; returns the summary."""
+    from .parallel.pipeline import theoretical_bubble
+    pp = len(stages)
+    summary = {"step": step, "stages": pp, "micro_batches": micro_batches,
+               "measured_bubble": measured_bubble(stages), "theoretical_bubble": theoretical_bubble(pp, micro_batches),
+               "peak_in_flight": [peak_in_flight_measured(ev) for ev in stages],
+               "events": stages}
+    tmp = Path(out_dir) / f"pipeline_trace.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(summary))
+    os.replace(tmp, Path(out_dir) / "pipeline_trace.json")
+    plot_timeline(stages, Path(out_dir) / "pipeline_trace.png", summary)
+    return summary
+
+
+def plot_timeline(stages: list[list[dict]], path: Path, summary: dict) -> None:
+    """Stages as rows, forward / backward boxes coloured by micro-batch, waits hatched."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cmap = plt.get_cmap("tab20")
+    fig, ax = plt.subplots(figsize=(12, 0.8 + 0.7 * len(stages)))
+    for s, events in enumerate(stages):
+        for e in events:
+            if e["kind"] in COMPUTE:
+                fwd = e["kind"] == "forward"
+                ax.barh(s, e["end"] - e["start"], left=e["start"], height=0.8 if fwd else 0.5,
+                        color=cmap(e["micro"] % 20), edgecolor="black", linewidth=0.5, alpha=1.0 if fwd else 0.6)
+                ax.text(e["start"] + (e["end"] - e["start"]) / 2, s, ("F" if fwd else "B") + str(e["micro"]),
+                        ha="center", va="center", fontsize=6)
+            elif e["kind"].startswith("recv"):
+                ax.barh(s, e["end"] - e["start"], left=e["start"], height=0.2, color="lightgrey", hatch="//")
+    ax.set_yticks(range(len(stages)), [f"stage {s}" for s in range(len(stages))])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from the step's start")
+    ax.set_title(f"1F1B, {summary['stages']} stages x {summary['micro_batches']} micro-batches: bubble "
+                 f"{100 * summary['measured_bubble']:.1f}% measured, "
+                 f"{100 * summary['theoretical_bubble']:.1f}% = (p-1)/(m+p-1)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
