@@ -180,8 +180,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def prune(root: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints; drop leftovers of interrupted writes."""
     steps = sorted((int(p.name.split("_")[1]), p) for p in root.glob("step_*") if p.name.split("_")[1].isdigit())
     for _, p in steps[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob(".step_*.tmp"):
         shutil.rmtree(p, ignore_errors=True)
 
 
@@ -237,6 +240,16 @@ def _load_safetensors(path: Path) -> dict:
         raise CheckpointError(f"{path} is not a readable safetensors file ({e}).") from None
 
 
+def full_model_names(model_cfg) -> set:
+    """Names of every weight (and balancing bias) of the whole model, built on
+    the meta device: no memory, no initialisation cost."""
+    from .models.registry import ARCHS
+    with torch.device("meta"):
+        model = ARCHS[model_cfg.arch](model_cfg)
+    names = {n for n, _ in model.named_parameters()}
+    return names | {n for n, _ in model.named_buffers() if n.endswith("e_score_correction_bias")}
+
+
 def _load_all(path: Path, kind: str) -> dict:
     """Merge the per-stage files (`model-pp0.safetensors`, ...) of a checkpoint:
     any layout can read what any layout wrote."""
@@ -261,8 +274,9 @@ def load(path: Path, trainer) -> int:
     module = trainer.engine.module
     expected = {n: p for n, p in module.named_parameters()}
     expected.update({n: b for n, b in module.named_buffers() if n.endswith("e_score_correction_bias")})
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
+    full = full_model_names(trainer.cfg.model)  # a pipeline stage holds only some of them
+    missing = sorted(full - set(weights))
+    unexpected = sorted(set(weights) - full)
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {path} does not fit this model: missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}.")

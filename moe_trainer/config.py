@@ -100,6 +100,8 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     max_nan_skips: int = 3  # consecutive non-finite losses skipped before stopping
+    stop_at_step: Optional[int] = None  # end this job after that step (checkpoint written), keeping
+    #                                    max_steps' LR schedule: for time-boxed allocations
 
 
 @dataclass
@@ -131,7 +133,8 @@ class MetricsConfig:
 
 @dataclass
 class DebugConfig:
-    trace_pipeline: bool = False
+    trace_pipeline: bool = False  # write pipeline_trace.json/png of the last step
+    inject_nan_steps: Optional[list] = None  # fault drill: make the loss NaN at these steps (1-based)
 
 
 @dataclass

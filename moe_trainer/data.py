@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -55,6 +56,19 @@ def write_token_dir(out_dir: Path, docs: Iterable[tuple[str, np.ndarray]], vocab
     dtype = np.uint16 if vocab_size <= 65536 else np.uint32
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        index = _write_splits(tmp, docs, dtype, vocab_size, eos_id, val_fraction, tokenizer)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written token directory
+        raise
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return index
+
+
+def _write_splits(tmp: Path, docs, dtype, vocab_size: int, eos_id: int, val_fraction: float, tokenizer: dict
+                  ) -> dict:
     counts = {"train": 0, "val": 0}
     n_docs = {"train": 0, "val": 0}
     sep = np.array([eos_id], dtype=dtype)
@@ -78,10 +92,6 @@ def write_token_dir(out_dir: Path, docs: Iterable[tuple[str, np.ndarray]], vocab
              "splits": {s: {"file": f"{s}.bin", "num_tokens": counts[s], "documents": n_docs[s]}
                         for s in ("train", "val")}}
     (tmp / "index.json").write_text(json.dumps(index, indent=1))
-    if out_dir.exists():
-        import shutil
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
     return index
 
 

@@ -110,16 +110,35 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # ru_maxrss is KiB on Linux
 
 
+def _truncate_jsonl(path: Path, last_step: int) -> None:
+    """Keep records up to `last_step` (all of them when starting fresh, none of a
+    previous run's tail after the resumed checkpoint); atomic rewrite."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= last_step:
+                keep.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
 class MetricSink:
     """metrics.jsonl + TensorBoard + console, written by one rank."""
 
-    def __init__(self, out_dir: Path, tensorboard: bool, max_steps: int):
+    def __init__(self, out_dir: Path, tensorboard: bool, max_steps: int, resume_step: int = 0):
         self.out_dir = Path(out_dir)
+        _truncate_jsonl(self.out_dir / "metrics.jsonl", resume_step)
         self.jsonl = open(self.out_dir / "metrics.jsonl", "a")
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+            # purge_step: events an interrupted run logged after the checkpoint are dropped
+            self.tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
         self.max_steps = max_steps
         self.start = time.time()
         self.first_step: Optional[int] = None

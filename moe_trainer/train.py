@@ -57,7 +57,7 @@ def main(argv=None) -> int:
 
     from .parallel.launch import init_distributed
     from .parallel.mesh import build_mesh
-    from .trainer import Trainer
+    from .trainer import Trainer, TrainingHalted
 
     accel = get_accelerator()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -73,6 +73,9 @@ def main(argv=None) -> int:
     except (DataError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except TrainingHalted as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3
     if rank == 0:
         print(f"run directory: {os.path.abspath(cfg.run.out_dir)}")
         print(f"tensorboard:   tensorboard --logdir {os.path.abspath(os.path.join(cfg.run.out_dir, 'tensorboard'))}")

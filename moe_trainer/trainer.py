@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,10 @@ from .parallel.mesh import DeepSpeedMPU, Mesh
 from .parallel.pipeline import PipelineExecutor, Trace, build_stage
 from .parallel.parallelize import parallelize
 from .parallel.zero import build_engine, set_lr
+
+
+class TrainingHalted(RuntimeError):
+    """Training stopped by policy (e.g. repeated non-finite losses): one sentence, exit 3."""
 
 
 def get_lr(step: int, t: TrainConfig) -> float:
@@ -104,14 +110,21 @@ class Trainer:
         self.peak, self.peak_source = peak_tflops(cfg.metrics.peak_tflops, self.dtype, device)
         self._load_interval = torch.zeros(len(self.moe_layer_ids), cfg.model.n_routed_experts)
         self._stopping = False
+        self._term = False
+        self._nan_skips = 0
 
     # ------------------------------------------------------------------ setup
     def prepare_run_dir(self) -> None:
         if self.is_logger:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             checkpoint.atomic_write_text(self.out_dir / "config.yaml", self.cfg.to_yaml())
-            self.sink = MetricSink(self.out_dir, self.cfg.metrics.tensorboard, self.cfg.train.max_steps)
         self.barrier()
+
+    def open_sink(self) -> None:
+        """After resuming: metrics past the resumed step (from the interrupted run) are dropped."""
+        if self.is_logger:
+            self.sink = MetricSink(self.out_dir, self.cfg.metrics.tensorboard, self.cfg.train.max_steps,
+                                   resume_step=self.step)
 
     def barrier(self) -> None:
         if dist.is_initialized() and self.layout.world > 1:
@@ -128,12 +141,16 @@ class Trainer:
     def train(self) -> dict:
         self.prepare_run_dir()
         self.maybe_resume()
+        self.open_sink()
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         t = self.cfg.train
         last = {}
         while self.step < t.max_steps and not self._stopping:
             record = self.train_step()
             self.step += 1
-            if self.step % t.log_every == 0 or self.step == t.max_steps:
+            self.check_finite(record)
+            self._stopping = self.any_rank(self._term) or self.step == t.stop_at_step
+            if self.step % t.log_every == 0 or self.step == t.max_steps or record["skipped"]:
                 last = self.log(record)
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.max_steps):
                 last["val_loss"] = self.evaluate()
@@ -147,7 +164,42 @@ class Trainer:
             self.write_pipeline_trace()
         if self.sink:
             self.sink.close()
+        if self._term and self.is_logger:
+            print(f"stopped by SIGTERM after step {self.step}; checkpoint written, resume with train.resume=auto",
+                  flush=True)
         return last
+
+    # ------------------------------------------------------------------ failures
+    def _on_sigterm(self, signum, frame) -> None:
+        """Schedulers send SIGTERM before preemption: finish this step, checkpoint, exit."""
+        self._term = True
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if it is true on any (one tiny all-reduce per step)."""
+        if not (dist.is_initialized() and self.layout.world > 1):
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())  # host sync
+
+    def check_finite(self, record: dict) -> None:
+        """NaN/inf loss policy: the optimizer skipped the step (DeepSpeed skips
+        non-finite gradient norms); allow max_nan_skips in a row, then stop with a
+        checkpoint of the last good state (unchanged by the skipped steps)."""
+        if not record["skipped"]:
+            self._nan_skips = 0
+            return
+        self._nan_skips += 1
+        limit = self.cfg.train.max_nan_skips
+        if self.is_logger:
+            print(f"warning: step {self.step}: non-finite loss ({record['losses']['lm']}); step skipped "
+                  f"({self._nan_skips} in a row, train.max_nan_skips={limit})", file=sys.stderr, flush=True)
+        if self._nan_skips > limit:
+            self.step -= self._nan_skips  # the weights are those after the last good step
+            path = checkpoint.save(self)
+            raise TrainingHalted(f"stopped at step {self.step + self._nan_skips}: {self._nan_skips} non-finite "
+                                 f"losses in a row (train.max_nan_skips={limit}); the last good state is "
+                                 f"checkpoint step_{self.step}.")
 
     def micro_batch(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.cfg.train
@@ -174,6 +226,8 @@ class Trainer:
             inputs, labels = self.micro_batch(micro)
             tb = time.perf_counter()
             out = self.engine(inputs, labels)
+            if self._poisoned():
+                out.loss, out.losses["lm"] = out.loss * float("nan"), out.losses["lm"] * float("nan")
             tc = time.perf_counter()
             self.engine.backward(out.loss)
             td = time.perf_counter()
@@ -185,24 +239,29 @@ class Trainer:
             times.optimizer += te - td
             for k, v in out.losses.items():
                 sums[k] = sums.get(k, 0.0) + v.float()
-        expert = self.update_expert_bias()
+        return self.finish_step(sums, times, t0)
+
+    def _poisoned(self) -> bool:
+        steps = self.cfg.debug.inject_nan_steps
+        return bool(steps) and (self.step + 1) in steps and self.mesh.rank == self.layout.world - 1
+
+    def finish_step(self, sums: dict, times: StepTimes, t0: float) -> dict:
         losses = self.reduce_losses({k: v / self.layout.grad_accum for k, v in sums.items()})
+        skipped = not all(math.isfinite(v) for v in losses.values())
+        expert = self.update_expert_bias(apply=not skipped)
         step_time = time.perf_counter() - t0
         return {"losses": losses, "times": times, "step_time": step_time, "expert": expert,
-                "comm": self.comm.reset()}
+                "comm": self.comm.reset(), "skipped": skipped}
 
     def pipeline_step(self) -> dict:
         self.barrier()  # a common start, so the trace's stages line up
         t0 = time.perf_counter()
         self.trace.events.clear()
         self.trace.start()
+        self.executor.poison = self._poisoned()
         res = self.executor.step(self.micro_batch)
         times = StepTimes(forward=res.forward_s, backward=res.backward_s, pipeline_wait=res.wait_s)
-        expert = self.update_expert_bias()
-        losses = self.reduce_losses({k: v / self.layout.grad_accum for k, v in res.losses.items()})
-        step_time = time.perf_counter() - t0
-        return {"losses": losses, "times": times, "step_time": step_time, "expert": expert,
-                "comm": self.comm.reset()}
+        return self.finish_step(res.losses, times, t0)
 
     def write_pipeline_trace(self) -> None:
         """Gather the last step's events of one pipeline (data-parallel index 0) to rank 0."""
@@ -230,7 +289,7 @@ class Trainer:
         return dict(zip(self.loss_keys, vec.tolist()))  # .tolist(): host sync, once per step
 
     @torch.no_grad()
-    def update_expert_bias(self) -> Optional[dict]:
+    def update_expert_bias(self, apply: bool = True) -> Optional[dict]:
         """Aux-loss-free balancing: counts summed over every rank that routed tokens,
         so every replica of each bias moves identically."""
         if not self.moe_layer_ids:
@@ -243,7 +302,7 @@ class Trainer:
         if self.mesh.group("dpcp") is not None:
             dist.all_reduce(counts, group=self.mesh.group("dpcp"))
             dist.all_reduce(stats, group=self.mesh.group("dpcp"))
-        speed = self.cfg.model.bias_update_speed
+        speed = self.cfg.model.bias_update_speed if apply else 0.0
         for row, layer in self.moe:
             if speed > 0:
                 balance.update_bias(layer.gate.e_score_correction_bias, counts[row], speed)
@@ -287,7 +346,7 @@ class Trainer:
         t = self.cfg.train
         tokens = t.global_batch_size * t.seq_len
         tflops = self.flops_per_token * tokens / self.layout.world / r["step_time"] / 1e12
-        record = {"loss": r["losses"]["lm"], **{f"loss_{k}": v for k, v in r["losses"].items() if k != "lm"},
+        record = {"loss": r["losses"]["lm"], "skipped": int(r["skipped"]), **{f"loss_{k}": v for k, v in r["losses"].items() if k != "lm"},
                   "lr": get_lr(self.step - 1, t), "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
                   "tokens_per_s": tokens / r["step_time"], "tokens_per_s_per_rank": tokens / r["step_time"] /
                   self.layout.world, "step_time_s": r["step_time"], "tflops_per_rank": tflops,

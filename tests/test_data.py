@@ -106,6 +106,7 @@ def test_empty_corpus_and_missing_index(tmp_path):
     with pytest.raises(DataError, match="empty or too small"):
         prepare([str(empty)], str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()  # nothing half-written
+    assert not list(tmp_path.glob("out.tmp*"))
     with pytest.raises(DataError, match="no index.json"):
         open_token_dir(tmp_path, 320)
 

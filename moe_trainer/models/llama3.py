@@ -12,6 +12,15 @@ from .layers import RMSNorm, SwiGLU, apply_rope, causal_attention
 from .lm import CausalLM
 
 
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention, each k/v head serving Hq/Hkv query heads:
+    (B, Hq, T, D) x (B, Hkv, T, D) x (B, Hkv, T, D) -> (B, Hq, T, D)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return causal_attention(q, k, v, scale)
+
+
 class GQA(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -23,6 +32,7 @@ class GQA(nn.Module):
         self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=cfg.attention_bias)
+        self.attention = gqa_attention  # swappable: context parallelism installs its own
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -30,10 +40,7 @@ class GQA(nn.Module):
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = causal_attention(q, k, v, self.head_dim ** -0.5)
+        out = self.attention(q, k, v, self.head_dim ** -0.5)  # (B, Hq, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

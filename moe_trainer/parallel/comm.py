@@ -5,6 +5,7 @@ Backward of an all-to-all is the all-to-all with the splits swapped.
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from typing import Optional
 
@@ -13,20 +14,27 @@ import torch.distributed as dist
 
 
 class CommCounter:
-    """Bytes this rank sent and received per kind of collective since reset()."""
+    """Bytes this rank sent and received per kind of collective since reset(), and the
+    wall seconds spent inside those collectives (`seconds`, per kind; blocking calls,
+    so it includes waiting for the slowest peer)."""
 
     def __init__(self):
         self.sent: dict[str, int] = defaultdict(int)
         self.received: dict[str, int] = defaultdict(int)
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def add_time(self, kind: str, seconds: float) -> None:
+        self.seconds[kind] += seconds
 
     def add(self, kind: str, sent: int, received: int) -> None:
         self.sent[kind] += sent
         self.received[kind] += received
 
     def reset(self) -> dict:
-        out = {"sent": dict(self.sent), "received": dict(self.received)}
+        out = {"sent": dict(self.sent), "received": dict(self.received), "seconds": dict(self.seconds)}
         self.sent.clear()
         self.received.clear()
+        self.seconds.clear()
         return out
 
 
@@ -39,8 +47,10 @@ def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int]
 def _exchange(x, out_splits, in_splits, group, counter, kind):
     x = x.contiguous()
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    t0 = time.perf_counter()
     dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
     if counter is not None:
+        counter.add_time(kind, time.perf_counter() - t0)
         me = dist.get_rank(group)
         row = math.prod(x.shape[1:]) * x.element_size()  # bytes per row; x may have 0 rows
         counter.add(kind, (sum(in_splits) - in_splits[me]) * row, (sum(out_splits) - out_splits[me]) * row)
@@ -58,3 +68,128 @@ class _AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         return _exchange(grad, in_splits, out_splits, ctx.group, ctx.counter, ctx.kind + "_grad"), \
             None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- tensor / context parallel regions
+# Bytes are counted as the ring algorithms move them (nccl-tests' bus bytes), so
+# that all-reduce = reduce-scatter + all-gather holds for the counts too. Over a
+# group of g ranks:
+#   all-gather of an S-byte shard:          sent = received = (g - 1) * S
+#   reduce-scatter of an M-byte tensor:     sent = received = (g - 1) / g * M
+#   all-reduce of an M-byte tensor:         sent = received = 2 (g - 1) / g * M
+# Kinds are "<tag>_<collective>" in forward and "<tag>_<collective>_grad" for the
+# collective that runs in backward, e.g. tp_all_gather / tp_reduce_scatter_grad.
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def _count(counter: Optional[CommCounter], kind: str, nbytes: int) -> None:
+    if counter is not None:
+        counter.add(kind, nbytes, nbytes)
+
+
+def all_reduce_tensor(x: torch.Tensor, group, counter: Optional[CommCounter] = None, kind: str = "all_reduce",
+                      op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """A reduced copy of x over `group` (x is untouched); not differentiable."""
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=op, group=group)
+    g = dist.get_world_size(group)
+    _count(counter, kind, 2 * (g - 1) * _nbytes(out) // g)
+    return out
+
+
+def _all_gather(x: torch.Tensor, dim: int, group, counter, kind) -> torch.Tensor:
+    g = dist.get_world_size(group)
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((g * x.shape[0],) + tuple(x.shape[1:]))
+    dist.all_gather_single(out, x, group=group)  # rank r's shard lands at rows [r*n, (r+1)*n)
+    _count(counter, kind, (g - 1) * _nbytes(x))
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group, counter, kind) -> torch.Tensor:
+    g = dist.get_world_size(group)
+    if x.shape[dim] % g:
+        raise ValueError(f"reduce-scatter needs dimension {dim} ({x.shape[dim]}) divisible by the group size ({g}).")
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // g,) + tuple(x.shape[1:]))
+    dist.reduce_scatter_single(out, x, group=group)
+    _count(counter, kind, (g - 1) * _nbytes(out))
+    return out.movedim(0, dim)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Forward identity; backward all-reduce (Megatron's f)."""
+
+    @staticmethod
+    def forward(ctx, x, group, counter, tag):
+        ctx.group, ctx.counter, ctx.tag = group, counter, tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_tensor(grad, ctx.group, ctx.counter, f"{ctx.tag}_all_reduce_grad"), None, None, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Forward all-reduce; backward identity (Megatron's g)."""
+
+    @staticmethod
+    def forward(ctx, x, group, counter, tag):
+        return all_reduce_tensor(x, group, counter, f"{tag}_all_reduce")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+class _GatherAlongDim(torch.autograd.Function):
+    """Forward all-gather along `dim`; backward reduce-scatter along `dim`."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, counter, tag):
+        ctx.dim, ctx.group, ctx.counter, ctx.tag = dim, group, counter, tag
+        return _all_gather(x, dim, group, counter, f"{tag}_all_gather")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group, ctx.counter, f"{ctx.tag}_reduce_scatter_grad"), \
+            None, None, None, None
+
+
+class _ReduceScatterAlongDim(torch.autograd.Function):
+    """Forward reduce-scatter along `dim`; backward all-gather along `dim`."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, counter, tag):
+        ctx.dim, ctx.group, ctx.counter, ctx.tag = dim, group, counter, tag
+        return _reduce_scatter(x, dim, group, counter, f"{tag}_reduce_scatter")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group, ctx.counter, f"{ctx.tag}_all_gather_grad"), \
+            None, None, None, None
+
+
+def copy_to_region(x: torch.Tensor, group, counter: Optional[CommCounter] = None, tag: str = "tp") -> torch.Tensor:
+    """Enter a tensor-parallel region with a replicated input: each rank's grad is partial, so sum it."""
+    return _CopyToRegion.apply(x, group, counter, tag)
+
+
+def reduce_from_region(x: torch.Tensor, group, counter: Optional[CommCounter] = None, tag: str = "tp"
+                       ) -> torch.Tensor:
+    """Leave a tensor-parallel region: sum the ranks' partial outputs (all-reduce)."""
+    return _ReduceFromRegion.apply(x, group, counter, tag)
+
+
+def all_gather_along_dim(x: torch.Tensor, dim: int, group, counter: Optional[CommCounter] = None,
+                         tag: str = "tp") -> torch.Tensor:
+    """Concatenate the ranks' x along `dim` in group-rank order; the grad is reduce-scattered back."""
+    return _GatherAlongDim.apply(x, dim, group, counter, tag)
+
+
+def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group, counter: Optional[CommCounter] = None,
+                             tag: str = "tp") -> torch.Tensor:
+    """Sum the ranks' x and keep this rank's 1/g slice of `dim`; the grad is all-gathered back."""
+    return _ReduceScatterAlongDim.apply(x, dim, group, counter, tag)

@@ -276,6 +276,7 @@ class PipelineExecutor:
         self.next = ranks[s + 1] if s < pp - 1 else None
         self.trace = trace or Trace()
         self.meter = meter
+        self.poison = False  # fault drill: make this step's loss NaN on the last stage
 
     def _recv(self, src: int, kind: str, micro: int) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -317,9 +318,10 @@ class PipelineExecutor:
         self.trace.record("forward", i, t0, t1)
         res.forward_s += t1 - t0
         if self.stage.last:
+            loss = out.loss * float("nan") if self.poison else out.loss
             for k, v in out.losses.items():
-                res.losses[k] = res.losses.get(k, 0.0) + v.float()
-            saved[i] = (carried, out.loss, None)
+                res.losses[k] = res.losses.get(k, 0.0) + (v.float() * float("nan") if self.poison else v.float())
+            saved[i] = (carried, loss, None)
         else:
             if aux is not None:
                 res.losses["aux"] = res.losses.get("aux", 0.0) + aux.detach().float()

@@ -1,0 +1,94 @@
+"""Context parallelism as Llama 3 did it: all-gather K and V, keep Q local.
+
+The sequence is cut into 2*cp equal chunks and cp rank i holds chunks i and
+2cp-1-i, so every rank gets the same amount of causal-attention work (an early
+chunk with few keys paired with a late chunk with many). In each attention
+layer the ranks all-gather K and V (before GQA's head repetition, so only Hkv
+heads travel; backward reduce-scatters their grads) and attend their local
+queries with the causal mask built from global positions.
+
+What the trainer does with cp > 1 (cp_shard_indices / shard_sequence are pure):
+- inputs: `shard_sequence(x, cp, rank)` for input_ids, labels and the
+  positions `torch.arange(T)` (B-free, dim=0), then
+  `model(ids, labels, positions=positions)` (RoPE uses global positions);
+- loss: each rank's loss is the mean over its T/cp tokens; the shards are
+  equal-sized, so the full-sequence mean is the cp-average of the local means
+  (`cp_mean_loss` for logging). Gradients need nothing extra: averaging the
+  local-mean gradients over the dp x cp group (the mesh's "dpcp" group, which
+  the data-parallel reduction already uses for dense parameters) gives exactly
+  the full-sequence gradient. With IGNORE_INDEX labels the token counts of
+  the shards differ and the plain average is no longer exact.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .comm import CommCounter, all_gather_along_dim, all_reduce_tensor
+from .mesh import Mesh
+
+
+def cp_shard_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Pure: the global positions (T/cp,) that cp rank `rank` holds: chunks rank and 2cp-1-rank."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"the sequence length ({seq_len}) must be divisible by 2 * cp ({2 * cp}).")
+    chunk = seq_len // (2 * cp)
+    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+def shard_sequence(tensor: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """Pure: this cp rank's part of `tensor` along its sequence dimension `dim`."""
+    index = cp_shard_indices(tensor.shape[dim], cp, rank).to(tensor.device)
+    return tensor.index_select(dim, index)
+
+
+@functools.lru_cache(maxsize=8)
+def cp_causal_mask(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Pure: (T/cp, T) bool, True where a local query may attend a gathered key.
+    Gathered keys are in cp-rank order, each rank's two chunks in turn."""
+    q_pos = cp_shard_indices(seq_len, cp, rank)
+    k_pos = torch.cat([cp_shard_indices(seq_len, cp, r) for r in range(cp)])
+    return q_pos[:, None] >= k_pos[None, :]
+
+
+class ContextParallelAttention:
+    """Drop-in for llama3's `gqa_attention`: (B, Hq, T/cp, D) x (B, Hkv, T/cp, D) x (B, Hkv, T/cp, D)
+    -> (B, Hq, T/cp, D), attending over the whole sequence's keys."""
+
+    def __init__(self, group, cp: int, rank: int, counter: Optional[CommCounter] = None):
+        self.group, self.cp, self.rank, self.counter = group, cp, rank, counter
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        k = all_gather_along_dim(k, 2, self.group, self.counter, "cp")  # (B, Hkv, T, D)
+        v = all_gather_along_dim(v, 2, self.group, self.counter, "cp")
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        mask = cp_causal_mask(k.shape[2], self.cp, self.rank).to(q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def apply_context_parallel(model: nn.Module, mesh: Mesh, counter: Optional[CommCounter] = None) -> nn.Module:
+    """Swap every attention of a llama3 model for the context-parallel one, in place.
+    Parameters are untouched: they are replicated over cp like over dp."""
+    cp = mesh.size("cp")
+    if cp == 1:
+        return model
+    if model.cfg.arch != "llama3":
+        raise ValueError(f"context parallelism is implemented for model.arch llama3, got {model.cfg.arch}.")
+    attention = ContextParallelAttention(mesh.group("cp"), cp, mesh.index("cp"), counter)
+    for layer in model.layers.values():
+        layer.self_attn.attention = attention
+    return model
+
+
+def cp_mean_loss(local_mean: torch.Tensor, mesh: Mesh, counter: Optional[CommCounter] = None) -> torch.Tensor:
+    """The full-sequence mean loss (detached) from each cp rank's mean over its equal-sized shard."""
+    if mesh.size("cp") == 1:
+        return local_mean.detach()
+    return all_reduce_tensor(local_mean, mesh.group("cp"), counter, "cp_loss_all_reduce") / mesh.size("cp")

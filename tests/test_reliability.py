@@ -1,0 +1,243 @@
+"""Checkpoints that survive crashes and change layout, exact resume, and failure
+handling, through the real launcher (fp32)."""
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, TINY, VENV_BIN, check, env, free_port, launch, read_metrics, train_losses
+
+BASE = TINY + ["train.global_batch_size=8", "train.micro_batch_size=2"]
+
+
+def weights(ckpt: Path) -> dict:
+    merged = {}
+    for f in sorted(ckpt.glob("model-pp*.safetensors")):
+        merged.update(load_file(str(f)))
+    return merged
+
+
+def assert_same_weights(a: dict, b: dict, rtol: float, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=rtol, atol=atol, msg=k)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """10 steps, pp 2 x ep 2 on 4 ranks, checkpoints at 5 and 10."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    check(launch(4, out, BASE + ["parallel.pp=2", "parallel.ep=2", "train.max_steps=10",
+                                 "train.checkpoint_every=5", "train.keep_checkpoints=5"]))
+    return out
+
+
+def test_exact_resume_pipeline_and_experts(straight, tmp_path):
+    out = tmp_path / "run"
+    layout = ["parallel.pp=2", "parallel.ep=2", "train.checkpoint_every=5"]
+    check(launch(4, out, BASE + layout + ["train.max_steps=10", "train.stop_at_step=5"]))
+    proc = check(launch(4, out, BASE + layout + ["train.max_steps=10", "train.resume=auto"]))
+    assert "resumed from" in proc.stdout and "step_5" in proc.stdout
+    a, b = train_losses(straight), train_losses(out)
+    assert sorted(b) == list(range(1, 11))  # the interrupted run's metrics continue without duplicates
+    for s in a:
+        assert abs(a[s] - b[s]) <= 1e-6 * abs(a[s]), (s, a[s], b[s])
+    assert_same_weights(weights(straight / "checkpoints" / "step_10"), weights(out / "checkpoints" / "step_10"),
+                        rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("world, layout", [(1, []), (2, ["parallel.ep=2"])])
+def test_resharded_resume(straight, tmp_path, world, layout):
+    """A checkpoint written at (pp 2, ep 2, world 4) continues on fewer ranks."""
+    out = tmp_path / "run"
+    ckpt = straight / "checkpoints" / "step_5"
+    launcher = "python" if world == 1 else "deepspeed"
+    check(launch(world, out, BASE + layout + ["train.max_steps=10", f"train.resume={ckpt}"], launcher=launcher))
+    a, b = train_losses(straight), train_losses(out)
+    assert sorted(b) == list(range(6, 11))
+    for s in b:
+        assert abs(a[s] - b[s]) <= 1e-5 * abs(a[s]), (s, a[s], b[s])
+
+
+def _rank_pids(marker: str) -> list[int]:
+    """PIDs of trainer ranks whose command line mentions `marker` (the run dir)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(marker.encode() in c for c in cmd) and b"moe_trainer.train" in cmd and \
+                    any(c.startswith(b"--local_rank") for c in cmd):
+                pids.append(int(d.name))
+    return pids
+
+
+def _start(n: int, out: Path, overrides: list[str]) -> subprocess.Popen:
+    args = [a for o in overrides + [f"run.out_dir={out}"] for a in ("--set", o)]
+    cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(n), "--master_port", str(free_port()),
+           "--module", "moe_trainer.train", "--config=configs/moe_tiny.yaml", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    raise AssertionError("the run did not reach the step in time")
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
+    out = tmp_path / "run"
+    proc = _start(2, out, BASE + ["train.max_steps=100000", "train.checkpoint_every=0"])
+    _wait_for_steps(out, 3, proc)
+    pids = _rank_pids(str(out))
+    assert len(pids) == 2
+    os.kill(pids[0], signal.SIGTERM)  # as a scheduler does before preemption (one rank is enough)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "stopped by SIGTERM" in stdout
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    step = int(latest.split("_")[1])
+    assert step >= 3 and max(r["step"] for r in read_metrics(out)) == step
+
+
+def test_a_dead_rank_ends_the_job_quickly(tmp_path):
+    out = tmp_path / "run"
+    proc = _start(2, out, BASE + ["train.max_steps=100000", "train.checkpoint_every=0", "parallel.timeout_s=60"])
+    _wait_for_steps(out, 2, proc)
+    t0 = time.time()
+    os.kill(_rank_pids(str(out))[1], signal.SIGKILL)
+    proc.communicate(timeout=150)
+    assert proc.returncode != 0
+    assert time.time() - t0 < 120
+
+
+def test_sigkill_at_random_moments_always_resumes_from_a_complete_checkpoint(tmp_path):
+    """Killed 5 times (checkpoints every step, so some kills land mid-write), a
+    restart with resume=auto always picks a complete checkpoint and finishes
+    with the same weights as a run that was never interrupted."""
+    rng = random.Random(0)
+    steps = ["train.max_steps=12", "train.checkpoint_every=1", "train.keep_checkpoints=2"]
+    ref = tmp_path / "ref"
+    check(launch(1, ref, BASE + steps, launcher="python"))
+    out = tmp_path / "run"
+    args = [a for o in BASE + steps + [f"run.out_dir={out}", "train.resume=auto"] for a in ("--set", o)]
+    cmd = [str(VENV_BIN / "python"), "-m", "moe_trainer.train", "--config=configs/moe_tiny.yaml", *args]
+    for _ in range(5):
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(rng.uniform(4.0, 9.0))  # start-up takes a few seconds; then steps and writes interleave
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        latest = out / "checkpoints" / "latest"
+        if latest.is_file():  # `latest` only ever names a complete checkpoint
+            from moe_trainer.checkpoint import verify
+            assert verify(out / "checkpoints" / latest.read_text().strip()) is None
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_weights(weights(ref / "checkpoints" / "step_12"), weights(out / "checkpoints" / "step_12"),
+                        rtol=1e-6, atol=1e-7)
+    assert not list((out / "checkpoints").glob(".step_*.tmp"))  # leftovers of killed writes are gone
+
+
+def test_nan_loss_is_skipped_then_stops_with_the_last_good_state(tmp_path):
+    out = tmp_path / "run"
+    one = check(launch(1, out, BASE + ["train.max_steps=6", "debug.inject_nan_steps=[3]", "train.checkpoint_every=1",
+                                       "train.keep_checkpoints=10"], launcher="python"))
+    assert "step 3: non-finite loss" in one.stderr
+    recs = {r["step"]: r for r in read_metrics(out) if "loss" in r}
+    assert [s for s, r in recs.items() if r["skipped"]] == [3]
+    assert all(recs[s]["loss"] == recs[s]["loss"] for s in (4, 5, 6))  # finite again
+    # the skipped step changed nothing: weights after step 3 are those after step 2
+    assert_same_weights(weights(out / "checkpoints" / "step_2"), weights(out / "checkpoints" / "step_3"), 0, 0)
+    halt = tmp_path / "halt"
+    proc = launch(2, halt, BASE + ["train.max_steps=8", "debug.inject_nan_steps=[3, 4, 5]", "train.max_nan_skips=2"])
+    assert proc.returncode != 0
+    assert "3 non-finite losses in a row" in proc.stderr and "checkpoint step_2" in proc.stderr
+    assert (halt / "checkpoints" / "latest").read_text().strip() == "step_2"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = tmp_path_factory.mktemp("saved") / "run"
+    check(launch(1, out, BASE + ["train.max_steps=2", "train.checkpoint_every=1", "train.keep_checkpoints=5"],
+                 launcher="python"))
+    return out
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _bad_resume(run: Path, extra: list[str]) -> subprocess.CompletedProcess:
+    return launch(1, run, BASE + ["train.max_steps=3"] + extra, launcher="python")
+
+
+def _snapshot(path: Path) -> dict:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("truncate", "bytes, the manifest says"),
+    ("tamper", "does not match its checksum"),
+    ("missing", "is missing"),
+])
+def test_damaged_checkpoint_is_refused_and_kept(saved, tmp_path, damage, words):
+    run = _copy_run(saved, tmp_path / "run")
+    ckpt = run / "checkpoints" / "step_2"
+    f = ckpt / "model-pp0.safetensors"
+    if damage == "truncate":
+        f.write_bytes(f.read_bytes()[:-100])
+    elif damage == "tamper":
+        data = bytearray(f.read_bytes())
+        data[-10] ^= 0xFF
+        f.write_bytes(bytes(data))
+    else:
+        f.unlink()
+    before = _snapshot(ckpt)
+    proc = _bad_resume(run, [f"train.resume={ckpt}"])
+    assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr
+    assert _snapshot(ckpt) == before  # nothing on disk lost or changed
+    # resume=auto skips it with a warning and takes the older complete one
+    auto = check(_bad_resume(run, ["train.resume=auto"]))
+    assert "skipping checkpoint" in auto.stderr and "resumed from" in auto.stdout and "step_1" in auto.stdout
+
+
+def test_checkpoint_of_another_architecture_is_refused(saved, tmp_path):
+    ckpt = saved / "checkpoints" / "step_2"
+    proc = launch(1, tmp_path / "run", BASE + ["model.arch=llama3", "train.max_steps=3", f"train.resume={ckpt}"],
+                  launcher="python")
+    assert proc.returncode == 2 and "holds a deepseek_v3 model" in proc.stderr and "Traceback" not in proc.stderr
+    proc = launch(1, tmp_path / "run2", BASE + ["model.n_routed_experts=16", "train.max_steps=3",
+                                                f"train.resume={ckpt}"], launcher="python")
+    assert proc.returncode == 2 and "does not fit this model" in proc.stderr
+
+
+def test_data_with_out_of_range_ids_is_refused(tmp_path):
+    from moe_trainer.data import prepare
+    files = []
+    for i in range(20):
+        files.append(tmp_path / f"doc{i}.txt")
+        files[-1].write_text(f"document {i} " * 500)
+    prepare([str(f) for f in files], str(tmp_path / "tok"), val_fraction=0.3)
+    index = json.loads((tmp_path / "tok" / "index.json").read_text())
+    import numpy as np
+    arr = np.fromfile(tmp_path / "tok" / "train.bin", dtype=index["dtype"])
+    arr[5] = 1000
+    arr.tofile(tmp_path / "tok" / "train.bin")
+    proc = launch(1, tmp_path / "run", BASE + ["train.max_steps=2", f"data.path={tmp_path / 'tok'}"],
+                  launcher="python")
+    assert proc.returncode == 2 and "outside model.vocab_size" in proc.stderr and "Traceback" not in proc.stderr
