@@ -79,33 +79,59 @@ def gather_state(trainer) -> tuple[dict, dict]:
     model, opt = {}, {}
     for name, p in _optimizer_params(trainer.engine):
         full = safe_get_full_fp32_param(p)
-        model[name] = _unshard(p, full if full is not None else p.detach().float(), trainer.mesh).cpu()
+        model[name] = _unshard(name, p, full if full is not None else p.detach().float(), trainer).cpu()
         for key in ("exp_avg", "exp_avg_sq"):
             state = safe_get_full_optimizer_state(p, key)
             if state is not None:
-                opt[f"{name}.{key}"] = _unshard(p, state, trainer.mesh).cpu()
+                opt[f"{name}.{key}"] = _unshard(name, p, state, trainer).cpu()
     for name, buf in trainer.engine.module.named_buffers():
         if name.endswith("e_score_correction_bias"):
             model[name] = buf.detach().float().cpu()
     return model, opt
 
 
-def _unshard(p, local: torch.Tensor, mesh) -> torch.Tensor:
-    """Expert-parallel parameters hold a slice of the experts: gather all EP ranks' slices."""
-    if not hasattr(p, "expert_shard"):
-        return local
-    parts = [torch.empty_like(local) for _ in range(mesh.size("ep"))]
-    dist.all_gather(parts, local.contiguous(), group=mesh.group("ep"))
-    return torch.cat(parts, dim=0)
-
-
-def _shard(p, full: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of a layout-independent tensor."""
-    if not hasattr(p, "expert_shard"):
+def _unshard(name: str, p, local: torch.Tensor, trainer) -> torch.Tensor:
+    """The layout-independent tensor of parameter `name` from this rank's piece
+    (collective over the groups that split it): experts over ep, TP shards over tp."""
+    mesh = trainer.mesh
+    if hasattr(p, "expert_shard"):
+        parts = [torch.empty_like(local) for _ in range(mesh.size("ep"))]
+        dist.all_gather(parts, local.contiguous(), group=mesh.group("ep"))
+        return torch.cat(parts, dim=0)
+    if mesh.size("tp") > 1:
+        from .parallel.tensor import shard_param
+        cfg, tp = trainer.cfg.model, mesh.size("tp")
+        full_shape = _full_shape(name, trainer)
+        _, dim = shard_param(name, torch.empty(full_shape, device="meta"), cfg, tp, 0)
+        if dim is None:
+            return local
+        parts = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(parts, local.contiguous(), group=mesh.group("tp"))
+        full = torch.zeros(full_shape, dtype=local.dtype, device=local.device)
+        for index, part in enumerate(parts):  # replicated kv heads: several ranks write the same rows
+            target, _ = shard_param(name, full, cfg, tp, index)
+            target.copy_(part)
         return full
-    ep_rank, ep = p.expert_shard
-    n = full.shape[0] // ep
-    return full[ep_rank * n:(ep_rank + 1) * n]
+    return local
+
+
+def _shard(name: str, p, full: torch.Tensor, trainer) -> torch.Tensor:
+    """This rank's piece of a layout-independent tensor."""
+    if hasattr(p, "expert_shard"):
+        ep_rank, ep = p.expert_shard
+        n = full.shape[0] // ep
+        return full[ep_rank * n:(ep_rank + 1) * n]
+    if trainer.mesh.size("tp") > 1:
+        from .parallel.tensor import shard_param
+        return shard_param(name, full, trainer.cfg.model, trainer.mesh.size("tp"), trainer.mesh.index("tp"))[0]
+    return full
+
+
+def _full_shape(name: str, trainer) -> tuple:
+    shapes = getattr(trainer, "_full_shapes", None)
+    if shapes is None:
+        shapes = trainer._full_shapes = full_model_shapes(trainer.cfg.model)
+    return shapes[name]
 
 
 def adam_step(engine) -> int:
@@ -240,14 +266,19 @@ def _load_safetensors(path: Path) -> dict:
         raise CheckpointError(f"{path} is not a readable safetensors file ({e}).") from None
 
 
-def full_model_names(model_cfg) -> set:
-    """Names of every weight (and balancing bias) of the whole model, built on
-    the meta device: no memory, no initialisation cost."""
+def full_model_shapes(model_cfg) -> dict:
+    """Name -> shape of every weight (and balancing bias) of the whole model,
+    built on the meta device: no memory, no initialisation cost."""
     from .models.registry import ARCHS
     with torch.device("meta"):
         model = ARCHS[model_cfg.arch](model_cfg)
-    names = {n for n, _ in model.named_parameters()}
-    return names | {n for n, _ in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    shapes.update({n: tuple(b.shape) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    return shapes
+
+
+def full_model_names(model_cfg) -> set:
+    return set(full_model_shapes(model_cfg))
 
 
 def _load_all(path: Path, kind: str) -> dict:
@@ -281,19 +312,19 @@ def load(path: Path, trainer) -> int:
         raise CheckpointError(f"checkpoint {path} does not fit this model: missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}.")
     for name, target in expected.items():
-        if tuple(_shard(target, weights[name]).shape) != tuple(target.shape):
+        if tuple(_shard(name, target, weights[name], trainer).shape) != tuple(target.shape):
             raise CheckpointError(f"checkpoint {path} has {name} of shape {tuple(weights[name].shape)}, which does "
                                   f"not fit this model's {tuple(target.shape)}.")
     link_optimizer_state(trainer.engine)
     with torch.no_grad():
         for name, target in expected.items():
-            value = _shard(target, weights[name]).to(target.device)
+            value = _shard(name, target, weights[name], trainer).to(target.device)
             target.copy_(value.to(target.dtype))
             if isinstance(target, torch.nn.Parameter):
                 safe_set_full_fp32_param(target, value.float())
                 for key in ("exp_avg", "exp_avg_sq"):
                     if f"{name}.{key}" in moments:
-                        moment = _shard(target, moments[f"{name}.{key}"]).to(target.device)
+                        moment = _shard(name, target, moments[f"{name}.{key}"], trainer).to(target.device)
                         safe_set_full_optimizer_state(target, moment, key)
         for st in trainer.engine.optimizer.optimizer.state.values():
             if "step" in st:

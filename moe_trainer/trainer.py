@@ -27,6 +27,7 @@ from .metrics import MetricSink, peak_memory_gb, peak_tflops, train_flops_per_to
 from .models.registry import build_model, moe_layers
 from .moe import balance
 from .parallel.comm import CommCounter
+from .parallel.context import shard_sequence
 from .parallel.mesh import DeepSpeedMPU, Mesh
 from .parallel.pipeline import PipelineExecutor, Trace, build_stage
 from .parallel.parallelize import parallelize
@@ -201,18 +202,28 @@ class Trainer:
                                  f"losses in a row (train.max_nan_skips={limit}); the last good state is "
                                  f"checkpoint step_{self.step}.")
 
-    def micro_batch(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_batch(self, micro: int, source=None, step: Optional[int] = None):
+        """(inputs, labels, positions) of this rank's micro-batch: every tp rank of
+        a data-parallel rank reads the same rows; a cp rank keeps its two chunks."""
         t = self.cfg.train
-        batch = self.train_data.micro_batch(self.step, micro, t.global_batch_size, t.micro_batch_size,
-                                            self.mesh.dp_rank, self.layout.dp).to(self.device)
-        return batch[:, :-1], batch[:, 1:]
+        source = source or self.train_data
+        batch = source.micro_batch(self.step if step is None else step, micro, t.global_batch_size,
+                                   t.micro_batch_size, self.mesh.dp_rank, self.layout.dp).to(self.device)
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        positions = torch.arange(t.seq_len, device=self.device)
+        if self.layout.cp > 1:
+            cp, i = self.layout.cp, self.mesh.index("cp")
+            inputs, labels = shard_sequence(inputs, cp, i), shard_sequence(labels, cp, i)
+            positions = shard_sequence(positions, cp, i, dim=0)
+        return inputs, labels, positions
 
     def _build_executor(self) -> PipelineExecutor:
-        t, m = self.cfg.train, self.cfg.model
+        t, m, p = self.cfg.train, self.cfg.model, self.cfg.parallel
         width = m.hidden_size * (2 if m.arch == "deepseek_v3" and m.num_nextn_predict_layers else 1)
+        tokens = t.seq_len // p.cp // (p.tp if p.tp > 1 and p.sequence_parallel else 1)  # a sequence shard
         self.trace = Trace(enabled=self.cfg.debug.trace_pipeline)
         return PipelineExecutor(self.engine, self.model, self.mesh, self.layout.grad_accum,
-                                (t.micro_batch_size, t.seq_len, width), self.dtype, self.device, trace=self.trace)
+                                (t.micro_batch_size, tokens, width), self.dtype, self.device, trace=self.trace)
 
     def train_step(self) -> dict:
         set_lr(self.engine, get_lr(self.step, self.cfg.train))
@@ -223,9 +234,9 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         for micro in range(self.layout.grad_accum):
             ta = time.perf_counter()
-            inputs, labels = self.micro_batch(micro)
+            inputs, labels, positions = self.micro_batch(micro)
             tb = time.perf_counter()
-            out = self.engine(inputs, labels)
+            out = self.engine(inputs, labels, positions)
             if self._poisoned():
                 out.loss, out.losses["lm"] = out.loss * float("nan"), out.losses["lm"] * float("nan")
             tc = time.perf_counter()
@@ -283,9 +294,9 @@ class Trainer:
                            for k in self.loss_keys]).to(self.device)
         if self.mesh.group("pp") is not None:
             dist.all_reduce(vec, group=self.mesh.group("pp"))
-        if self.mesh.group("dp") is not None:
-            dist.all_reduce(vec, group=self.mesh.group("dp"))
-            vec /= self.mesh.size("dp")
+        if self.mesh.group("dpcp") is not None:  # cp ranks hold equal shards: their mean is the mean
+            dist.all_reduce(vec, group=self.mesh.group("dpcp"))
+            vec /= self.mesh.size("dpcp")
         return dict(zip(self.loss_keys, vec.tolist()))  # .tolist(): host sync, once per step
 
     @torch.no_grad()
@@ -331,9 +342,7 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for b in range(t.eval_batches):
             def get_batch(micro: int, b=b):
-                batch = self.val_data.micro_batch(b, micro, t.global_batch_size, t.micro_batch_size,
-                                                  self.mesh.dp_rank, self.layout.dp).to(self.device)
-                return batch[:, :-1], batch[:, 1:]
+                return self.micro_batch(micro, self.val_data, b)
             if self.pipelined:
                 total += self.executor.forward_only(get_batch).get("lm", 0.0)
             else:

@@ -76,74 +76,168 @@ def gmm_wgrad(a: torch.Tensor, b: torch.Tensor, counts: list[int], offs: Optiona
 
 # ----------------------------------------------------------------------------- SwiGLU pieces (no autograd)
 
-def swiglu_forward(h: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+# Rows per block of the elementwise SwiGLU passes: a block's operands (~2-6 MB) stay in
+# cache across the 3 (forward) or 7 (backward) passes instead of streaming from memory
+# each time; measured 2-4x faster than whole-tensor ops on the benchmark's 24k x 256.
+SWIGLU_BLOCK_ROWS = 2048
+
+
+def swiglu_forward(h: torch.Tensor, gate: Optional[torch.Tensor], block: int = SWIGLU_BLOCK_ROWS) -> torch.Tensor:
     """silu(g) * u (* gate) for h = [g | u] (M, 2H), rounding in the same order as
     `F.silu(g) * u * gate[:, None]`; one new (M, H) tensor, no chunk copies."""
-    hid = h.shape[-1] // 2
-    g, u = h[:, :hid], h[:, hid:]
-    a = F.silu(g)
-    a.mul_(u)
-    if gate is not None:
-        a.mul_(gate[:, None].to(a.dtype))
+    m, hid = h.shape[0], h.shape[-1] // 2
+    a = h.new_empty(m, hid)
+    gcol = gate[:, None].to(h.dtype) if gate is not None else None
+    for s in range(0, m, block):
+        e = min(s + block, m)
+        a_, h_ = a[s:e], h[s:e]
+        torch.ops.aten.silu.out(h_[:, :hid], out=a_)
+        a_.mul_(h_[:, hid:])
+        if gcol is not None:
+            a_.mul_(gcol[s:e])
     return a
 
 
-def swiglu_backward(da: torch.Tensor, h: torch.Tensor, gate: Optional[torch.Tensor], need_gate_grad: bool
-                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def swiglu_backward(da: torch.Tensor, h: torch.Tensor, gate: Optional[torch.Tensor], need_gate_grad: bool,
+                    block: int = SWIGLU_BLOCK_ROWS) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Gradients of swiglu_forward: dh (M, 2H), its two halves written in place (no
-    concatenation, no other (M, H) temporary), and dgate (M,) in gate's dtype (or None).
-    silu(g) is recomputed from h. Overwrites da."""
-    hid = h.shape[-1] // 2
-    g, u = h[:, :hid], h[:, hid:]
+    concatenation), and dgate (M,) in gate's dtype (or None). silu(g) is recomputed
+    from h. Overwrites da."""
+    m, hid = h.shape[0], h.shape[-1] // 2
     dh = torch.empty_like(h)
-    dg, du = dh[:, :hid], dh[:, hid:]
-    torch.ops.aten.silu.out(g, out=du)
-    du.mul_(da)  # da * silu(g)
-    dgate = None
-    if gate is not None:
-        gcol = gate[:, None].to(da.dtype)
-        if need_gate_grad:  # sum_j da * silu(g) * u (the sum accumulates in fp32 for bf16)
-            dgate = torch.linalg.vecdot(du, u).to(gate.dtype)
-        du.mul_(gcol)  # d/du = da * gate * silu(g)
-        da.mul_(gcol)
-    da.mul_(u)  # da * gate * u
-    torch.ops.aten.silu_backward.grad_input(da, g, grad_input=dg)  # d/dg
+    gcol = gate[:, None].to(da.dtype) if gate is not None else None
+    dgate = gate.new_empty(m) if gate is not None and need_gate_grad else None
+    for s in range(0, m, block):
+        e = min(s + block, m)
+        g, u = h[s:e, :hid], h[s:e, hid:]
+        dg, du, da_ = dh[s:e, :hid], dh[s:e, hid:], da[s:e]
+        torch.ops.aten.silu.out(g, out=du)
+        du.mul_(da_)  # da * silu(g)
+        if gcol is not None:
+            if dgate is not None:  # sum_j da * silu(g) * u (the sum accumulates in fp32 for bf16)
+                dgate[s:e] = torch.linalg.vecdot(du, u)
+            du.mul_(gcol[s:e])  # d/du = da * gate * silu(g)
+            da_.mul_(gcol[s:e])
+        da_.mul_(u)  # da * gate * u
+        torch.ops.aten.silu_backward.grad_input(da_, g, grad_input=dg)  # d/dg
     return dh, dgate
 
 
+# Consecutive experts are processed in blocks of at least this many rows: the block's
+# pre-activation, SwiGLU output and gradients (~2-6 MB) stay in cache between the GEMMs
+# and the elementwise passes, and no (M, H) / (M, 2H) temporary is ever allocated
+# (fresh large tensors cost page faults on every step).
+EXPERT_BLOCK_ROWS = 2048
+
+
+def expert_blocks(counts: list[int], target: int = EXPERT_BLOCK_ROWS) -> list[tuple[int, int, int, int]]:
+    """Non-empty blocks (e0, e1, r0, r1) of consecutive experts [e0, e1) owning rows [r0, r1)."""
+    blocks, e0, r0, r = [], 0, 0, 0
+    for e, n in enumerate(counts):
+        r += n
+        if r - r0 >= target:
+            blocks.append((e0, e + 1, r0, r))
+            e0, r0 = e + 1, r
+    if r > r0:
+        blocks.append((e0, len(counts), r0, r))
+    return blocks
+
+
+def _mm_rows(a: torch.Tensor, b: torch.Tensor, counts: list[int], e0: int, out: torch.Tensor) -> None:
+    """out[rows of expert e0+i] = a[those rows] @ b[e0+i], one mm per non-empty expert."""
+    s = 0
+    for i, n in enumerate(counts):
+        if n:
+            torch.mm(a[s:s + n], b[e0 + i], out=out[s:s + n])
+        s += n
+
+
+def _wgrad_rows(a: torch.Tensor, b: torch.Tensor, counts: list[int], e0: int, out: torch.Tensor) -> None:
+    """out[e0+i] = a_i^T @ b_i over the rows of expert e0+i (zero for an empty expert)."""
+    s = 0
+    for i, n in enumerate(counts):
+        if n:
+            torch.mm(a[s:s + n].t(), b[s:s + n], out=out[e0 + i])
+        else:
+            out[e0 + i].zero_()
+        s += n
+
+
+def _gmm_block(a: torch.Tensor, b: torch.Tensor, counts: list[int], grouped: bool) -> torch.Tensor:
+    """Rows of a in groups of counts[i], each times b[i] -> new tensor; torch._grouped_mm if `grouped`."""
+    if grouped:
+        offs = torch.tensor(counts, dtype=torch.int64).cumsum_(0).to(device=a.device, dtype=torch.int32)
+        return torch._grouped_mm(a, b, offs=offs)
+    out = a.new_empty(a.shape[0], b.shape[-1])
+    _mm_rows(a, b, counts, 0, out)
+    return out
+
+
 class GroupedSwiGLUExperts(torch.autograd.Function):
-    """out = grouped( (silu(x W1g^T) * x W1u^T * gate) W2^T ) over expert groups of rows.
+    """out = (silu(x W1g^T) * x W1u^T * gate) W2^T per expert group of rows.
 
     x (M, d) sorted by expert, w1 (E, 2H, d), w2 (E, d, H), gate (M,) or None,
-    counts (host ints), offs (int32 cumsum for torch._grouped_mm, or None for a loop)."""
+    counts (host ints), grouped: use torch._grouped_mm for the block GEMMs (else mm loops).
+    Saves only x and the pre-activation h (in blocks); backward recomputes the SwiGLU
+    output, writes the weight gradients straight into the weights' layout (E, 2H, d)
+    and (E, d, H), and keeps every other temporary block-sized."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, gate, counts, offs):
-        h = gmm(x, w1.transpose(1, 2), counts, offs)  # (M, 2H)
-        a = swiglu_forward(h, gate)  # (M, H), gate applied
-        out = gmm(a, w2.transpose(1, 2), counts, offs)  # (M, d)
+    def forward(ctx, x, w1, w2, gate, counts, grouped):
+        out = x.new_empty(x.shape[0], w2.shape[1])
+        w1t, w2t = w1.transpose(1, 2), w2.transpose(1, 2)
+        blocks = expert_blocks(counts)
+        hs = []
+        for e0, e1, r0, r1 in blocks:
+            cs = counts[e0:e1]
+            h = _gmm_block(x[r0:r1], w1t[e0:e1], cs, grouped)  # (rows, 2H)
+            a = swiglu_forward(h, gate[r0:r1] if gate is not None else None, block=r1 - r0)
+            _mm_rows(a, w2t, cs, e0, out[r0:r1])
+            hs.append(h)
         ctx.save_for_backward(w1, w2, gate)
-        # the large activations are kept as attributes (not saved tensors) so that backward
-        # can drop each one as soon as it is used: lower peak memory in backward
-        ctx.x, ctx.h, ctx.a = x, h, a
-        ctx.counts, ctx.offs = counts, offs
+        # activations as attributes (not saved tensors) so backward frees each block once used
+        ctx.x, ctx.hs = x, hs
+        ctx.counts, ctx.blocks, ctx.grouped = counts, blocks, grouped
         return out
 
     @staticmethod
     def backward(ctx, dy):
         w1, w2, gate = ctx.saved_tensors
-        counts, offs = ctx.counts, ctx.offs
+        x, hs, counts, grouped = ctx.x, ctx.hs, ctx.counts, ctx.grouped
         need_x, need_w1, need_w2, need_gate = ctx.needs_input_grad[:4]
+        need_gate = need_gate and gate is not None
         dy = dy.contiguous()
-        dw2 = gmm_wgrad(dy, ctx.a, counts, offs) if need_w2 else None  # (E, d, H), down_proj's layout
-        del ctx.a
-        da = gmm(dy, w2, counts, offs)  # (M, H)
-        del dy
-        dh, dgate = swiglu_backward(da, ctx.h, gate, need_gate and gate is not None)
-        del da, ctx.h
-        dw1 = gmm_wgrad(dh, ctx.x, counts, offs) if need_w1 else None  # (E, 2H, d), gate_up_proj's layout
-        del ctx.x
-        dx = gmm(dh, w1, counts, offs) if need_x else None  # (M, d)
+        dx = x.new_empty(x.shape) if need_x else None
+        dw1 = w1.new_empty(w1.shape) if need_w1 else None
+        dw2 = w2.new_empty(w2.shape) if need_w2 else None
+        dgate = gate.new_empty(gate.shape) if need_gate else None
+        covered = 0
+        for i, (e0, e1, r0, r1) in enumerate(ctx.blocks):
+            cs, h, dy_b = counts[e0:e1], hs[i], dy[r0:r1]
+            g_b = gate[r0:r1] if gate is not None else None
+            if need_w1 or need_w2:  # experts before this block own no rows
+                for w in (dw1, dw2):
+                    if w is not None:
+                        w[covered:e0].zero_()
+                covered = e1
+            if need_w2:
+                _wgrad_rows(dy_b, swiglu_forward(h, g_b, block=r1 - r0), cs, e0, dw2)  # (E, d, H)
+            da = _gmm_block(dy_b, w2[e0:e1], cs, grouped)  # (rows, H)
+            dh, dg = swiglu_backward(da, h, g_b, need_gate, block=r1 - r0)
+            del da
+            hs[i] = None
+            if dg is not None:
+                dgate[r0:r1] = dg
+            if need_w1:
+                _wgrad_rows(dh, x[r0:r1], cs, e0, dw1)  # (E, 2H, d)
+            if need_x:
+                _mm_rows(dh, w1, cs, e0, dx[r0:r1])
+        for w in (dw1, dw2):
+            if w is not None:
+                w[covered:].zero_()
+        if need_gate and ctx.blocks:
+            dgate[ctx.blocks[-1][3]:].zero_()
+        del ctx.x, ctx.hs
         return dx, dw1, dw2, dgate, None, None
 
 
@@ -180,12 +274,11 @@ class Experts(nn.Module):
         if not (x.dtype in _GROUPED_DTYPES and _aligned(x) and _aligned(self.gate_up_proj)
                 and _aligned(self.down_proj)):
             return self._split_loop(x, counts, gate)  # e.g. hidden sizes that are not multiples of 16 bytes
-        offs = torch.tensor(counts, dtype=torch.int64).cumsum_(0).to(device=x.device, dtype=torch.int32)
-        return GroupedSwiGLUExperts.apply(x, self.gate_up_proj, self.down_proj, gate, counts, offs)
+        return GroupedSwiGLUExperts.apply(x, self.gate_up_proj, self.down_proj, gate, counts, True)
 
     def _split_loop(self, x, counts, gate):
         """Fallback without torch._grouped_mm: the same Function with one mm per non-empty expert."""
-        return GroupedSwiGLUExperts.apply(x.contiguous(), self.gate_up_proj, self.down_proj, gate, counts, None)
+        return GroupedSwiGLUExperts.apply(x.contiguous(), self.gate_up_proj, self.down_proj, gate, counts, False)
 
     def _reference_loop(self, x, counts, gate):
         """The simple reference: SequentialMLP-style, F.linear per expert."""

@@ -13,17 +13,21 @@ import torch
 
 from ..config import Config, ConfigError
 from .comm import CommCounter
+from .context import apply_context_parallel
 from .expert import apply_expert_parallel
+from .tensor import apply_tensor_parallel
 from .mesh import Mesh
 
 
 def parallelize(model: torch.nn.Module, cfg: Config, mesh: Mesh, counter: Optional[CommCounter] = None
                 ) -> torch.nn.Module:
     p = cfg.parallel
-    unsupported = {"parallel.tp": p.tp, "parallel.cp": p.cp}
-    for key, value in unsupported.items():
-        if value > 1:
-            raise ConfigError(f"{key} > 1 is not implemented yet in this version of moe_trainer; set it to 1.")
     if p.recompute != "none":
         raise ConfigError("parallel.recompute is not implemented yet in this version of moe_trainer; set it to none.")
-    return apply_expert_parallel(model, mesh, counter, dedup=p.dedup_dispatch)
+    try:
+        model = apply_tensor_parallel(model, mesh, p.sequence_parallel, counter)
+        model = apply_expert_parallel(model, mesh, counter, dedup=p.dedup_dispatch)
+        model = apply_context_parallel(model, mesh, counter)
+    except ValueError as e:  # a degree that does not fit this model
+        raise ConfigError(str(e)) from None
+    return model

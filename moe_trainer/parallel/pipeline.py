@@ -165,7 +165,7 @@ class PipelineStage(nn.Module):
         self._model = (model,)  # the full model's methods (rope, loss), not registered as a submodule
 
     def forward(self, carried: Optional[torch.Tensor], input_ids: torch.Tensor,
-                labels: Optional[torch.Tensor] = None):
+                labels: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None):
         """First stage: input_ids -> carried. Others: carried (B, T, d or 2d) ->
         carried, or the LMOutput on the last stage. Returns (out, aux)."""
         model = self._model[0]
@@ -174,7 +174,7 @@ class PipelineStage(nn.Module):
             h = emb = self.embed_tokens(input_ids)
         else:
             h, emb = (carried[..., :d], carried[..., d:]) if self.carry_emb else (carried, None)
-        cos, sin = model.rope(input_ids.shape[1], h.device, h.dtype)
+        cos, sin = model.rope(input_ids.shape[1], h.device, h.dtype, positions)
         aux = None
         for layer in self.layers.values():
             h, layer_aux = layer(h, cos, sin)
@@ -290,7 +290,8 @@ class PipelineExecutor:
         pending.append((dist.isend(t.contiguous(), dst=dst), t))
         self.trace.record(kind, micro, t0, time.perf_counter())
 
-    def step(self, get_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+    def step(self, get_batch: Callable[[int], tuple]) -> StepResult:
+        """get_batch(i) -> (input_ids, labels, positions) of micro-batch i."""
         res = StepResult(losses={})
         saved: dict[int, tuple] = {}
         pending: list = []
@@ -304,7 +305,7 @@ class PipelineExecutor:
         return res
 
     def _forward(self, i, get_batch, saved, pending, res) -> None:
-        inputs, labels = get_batch(i)
+        inputs, labels, positions = get_batch(i)
         carried = None
         if self.prev is not None:
             t = time.perf_counter()
@@ -313,7 +314,7 @@ class PipelineExecutor:
         t0 = time.perf_counter()
         ctx = self.meter.hooks() if self.meter else contextlib.nullcontext()
         with ctx:
-            out, aux = self.engine(carried, inputs, labels if self.stage.last else None)
+            out, aux = self.engine(carried, inputs, labels if self.stage.last else None, positions)
         t1 = time.perf_counter()
         self.trace.record("forward", i, t0, t1)
         res.forward_s += t1 - t0
@@ -358,9 +359,9 @@ class PipelineExecutor:
         pending: list = []
         module = self.engine.module
         for i in range(self.m):
-            inputs, labels = get_batch(i)
+            inputs, labels, positions = get_batch(i)
             carried = self._recv(self.prev, "recv_fwd", i) if self.prev is not None else None
-            out, _ = module(carried, inputs, labels if self.stage.last else None)
+            out, _ = module(carried, inputs, labels if self.stage.last else None, positions)
             if self.stage.last:
                 losses["lm"] = losses.get("lm", 0.0) + out.losses["lm"].float()
             else:

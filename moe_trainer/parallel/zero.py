@@ -16,7 +16,8 @@ def deepspeed_config(cfg: Config, layout: Layout) -> dict:
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": layout.grad_accum,
-        "train_batch_size": t.micro_batch_size * layout.grad_accum * layout.dp,
+        # DeepSpeed counts the ranks it reduces over (dp x cp) as data parallel
+        "train_batch_size": t.micro_batch_size * layout.grad_accum * layout.dp * layout.cp,
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": 1},
         "bf16": {"enabled": t.dtype == "bf16"},
