@@ -37,7 +37,12 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+    @staticmethod
+    def act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """silu(g) * u: the activation that selective recomputation re-runs."""
+        return F.silu(g) * u
 
 
 # ----------------------------------------------------------------------------- RoPE

@@ -17,17 +17,17 @@ from .context import apply_context_parallel
 from .expert import apply_expert_parallel
 from .tensor import apply_tensor_parallel
 from .mesh import Mesh
+from .recompute import apply_recompute
 
 
 def parallelize(model: torch.nn.Module, cfg: Config, mesh: Mesh, counter: Optional[CommCounter] = None
                 ) -> torch.nn.Module:
     p = cfg.parallel
-    if p.recompute != "none":
-        raise ConfigError("parallel.recompute is not implemented yet in this version of moe_trainer; set it to none.")
     try:
         model = apply_tensor_parallel(model, mesh, p.sequence_parallel, counter)
         model = apply_expert_parallel(model, mesh, counter, dedup=p.dedup_dispatch)
         model = apply_context_parallel(model, mesh, counter)
+        model = apply_recompute(model, p.recompute)
     except ValueError as e:  # a degree that does not fit this model
         raise ConfigError(str(e)) from None
     return model
