@@ -114,6 +114,7 @@ class ParallelConfig:
     sequence_parallel: bool = True  # with tp > 1
     dedup_dispatch: bool = False  # send a token's hidden state to a rank once
     recompute: str = "none"  # none | selective | full
+    schedule: str = "1f1b"  # pipeline order: 1f1b | gpipe (the reference, m micro-batches in flight)
     pp_partition: Optional[list] = None  # layers per stage, e.g. [2, 3]; None = balanced
     timeout_s: int = 300  # collective timeout: a dead rank ends the job
 
@@ -161,6 +162,7 @@ CHOICES = {
     "model.moe_impl": ("grouped", "loop"),
     "train.dtype": ("fp32", "bf16"),
     "parallel.recompute": ("none", "selective", "full"),
+    "parallel.schedule": ("1f1b", "gpipe"),
 }
 
 

@@ -223,7 +223,8 @@ class Trainer:
         tokens = t.seq_len // p.cp // (p.tp if p.tp > 1 and p.sequence_parallel else 1)  # a sequence shard
         self.trace = Trace(enabled=self.cfg.debug.trace_pipeline)
         return PipelineExecutor(self.engine, self.model, self.mesh, self.layout.grad_accum,
-                                (t.micro_batch_size, tokens, width), self.dtype, self.device, trace=self.trace)
+                                (t.micro_batch_size, tokens, width), self.dtype, self.device, trace=self.trace,
+                                counter=self.comm)
 
     def train_step(self) -> dict:
         set_lr(self.engine, get_lr(self.step, self.cfg.train))
