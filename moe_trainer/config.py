@@ -96,6 +96,7 @@ class TrainConfig:
     checkpoint_every: int = 100  # 0 = only at the end
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | none | <checkpoint path>
+    init_from: str = ""  # start from these weights: a Hugging Face directory, our safetensors, a run checkpoint
     log_every: int = 10
     eval_every: int = 50
     eval_batches: int = 4

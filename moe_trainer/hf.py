@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterable, Optional, Union
@@ -405,10 +406,13 @@ def convert_hf_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig) ->
 
 
 def load_checked(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
-                 name_of=lambda k: k) -> None:
-    """Copy `state` (our names) into `model` after checking key set and shapes; errors name keys via `name_of`."""
+                 name_of=lambda k: k, optional_prefix: Optional[str] = None) -> None:
+    """Copy `state` (our names) into `model` after checking key set and shapes; errors name keys via `name_of`.
+    Keys under `optional_prefix` may be absent (they keep their initial values)."""
     expected = model.state_dict()
     optional = {"lm_head.weight"} if getattr(model.cfg, "tie_word_embeddings", False) else set()
+    if optional_prefix:
+        optional |= {k for k in expected if k.startswith(optional_prefix)}
     missing = sorted(name_of(k) for k in expected.keys() - state.keys() - optional)
     unexpected = sorted(name_of(k) for k in state.keys() - expected.keys())
     if missing:
@@ -619,6 +623,40 @@ def load_weights_file(model: torch.nn.Module, path: PathLike) -> None:
         raise HFFormatError(f"weights {path} is neither a safetensors file nor a checkpoint directory with "
                             f"model-pp*.safetensors files.")
     load_checked(model, read_safetensors(files), str(path))
+
+
+# fields that only shape training here, not the weights' meaning
+_TRAINING_ONLY = {"bias_update_speed", "seq_aux_loss_alpha", "router_z_loss_coef", "capacity_factor", "moe_impl",
+                  "mtp_loss_weight", "initializer_range", "max_position_embeddings"}
+
+
+def load_initial_weights(model: torch.nn.Module, path: PathLike) -> None:
+    """train.init_from: continue a Hugging Face DeepSeek-V3 / Llama checkpoint
+    directory, a safetensors file of our names, or a run checkpoint directory.
+    A Hugging Face directory must describe the same architecture as model.*."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        return load_weights_file(model, path)
+    theirs = hf_config_to_model_config(read_config(path))
+    ours = model.cfg
+    differ = [f.name for f in dataclasses.fields(ours) if f.name not in _TRAINING_ONLY
+              and getattr(ours, f.name) != getattr(theirs, f.name)
+              and not (f.name == "num_nextn_predict_layers" and getattr(theirs, f.name) == 0)]
+    if differ:
+        name = differ[0]
+        raise HFFormatError(f"train.init_from {path} has {name}={getattr(theirs, name)!r} but model.{name} is "
+                            f"{getattr(ours, name)!r}; use the model section tools/convert_hf.py import writes.")
+    tensors = read_safetensors(_checkpoint_files(path))
+    quant = read_config(path).get("quantization_config")
+    if quant is not None:
+        tensors = _dequantize_fp8(tensors, list(quant.get("weight_block_size") or [128, 128]))
+    state = convert_hf_state_dict(tensors, ours)
+    fresh_mtp = ours.arch == "deepseek_v3" and ours.num_nextn_predict_layers > 0 and _mtp_depths(state) == 0
+    if fresh_mtp:
+        print(f"warning: {path} has no multi-token-prediction weights; the MTP module starts from its "
+              f"initialisation", file=sys.stderr, flush=True)
+    load_checked(model, state, str(path), name_of=lambda k: our_to_hf_name(k, ours.num_hidden_layers),
+                 optional_prefix="mtp." if fresh_mtp else None)
 
 
 def save_weights_file(model: torch.nn.Module, path: PathLike) -> Path:

@@ -12,6 +12,7 @@ import sys
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config, validate_layout
 from .data import DataError
+from .hf import HFFormatError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     try:
         trainer = Trainer(cfg, mesh, device)
         trainer.train()
-    except (DataError, CheckpointError, ConfigError) as e:
+    except (DataError, CheckpointError, ConfigError, HFFormatError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except TrainingHalted as e:

@@ -23,6 +23,7 @@ from . import checkpoint
 from .config import Config, Layout, TrainConfig
 from .data import open_data
 from .expert_load import imbalance_stats, write_expert_load
+from .hf import load_initial_weights
 from .metrics import MetricSink, peak_memory_gb, peak_tflops, train_flops_per_token
 from .models.registry import build_model, moe_layers
 from .moe import balance
@@ -93,6 +94,8 @@ class Trainer:
         self.data_index, self.train_data, self.val_data = open_data(
             cfg.data.path, t.seq_len, cfg.run.seed, cfg.model.vocab_size, cfg.data.val_fraction)
         model = build_model(cfg.model, cfg.run.seed)
+        if t.init_from:  # a resumed checkpoint, if any, replaces these weights later
+            load_initial_weights(model, t.init_from)
         self.comm = CommCounter()
         self.model = parallelize(model, cfg, mesh, self.comm)
         self.pipelined = self.layout.pp > 1

@@ -1,0 +1,55 @@
+"""Continuing a Hugging Face checkpoint: train.init_from loads transformers'
+weights, and the first training loss is transformers' own loss on that batch."""
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+import yaml
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from moe_trainer.data import open_data
+from moe_trainer.hf import hf_config_to_model_config
+
+from conftest import ROOT, check, env, launch, train_losses
+
+
+def _hf_model(tmp_path):
+    cfg = DeepseekV3Config(vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
+                           n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                           q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                           max_position_embeddings=256, tie_word_embeddings=False, routed_scaling_factor=1.0)
+    torch.manual_seed(3)
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    model.save_pretrained(tmp_path / "hf")
+    return model
+
+
+def test_first_loss_equals_transformers_loss(tmp_path):
+    hf = _hf_model(tmp_path)
+    ours = hf_config_to_model_config(hf.config.to_dict())
+    model_section = {k: v for k, v in ours.__dict__.items()}
+    config = tmp_path / "continue.yaml"
+    config.write_text(yaml.safe_dump({"model": model_section, "train": {
+        "seq_len": 32, "micro_batch_size": 2, "global_batch_size": 4, "max_steps": 2, "log_every": 1,
+        "eval_every": 0, "checkpoint_every": 0, "resume": "none", "init_from": str(tmp_path / "hf")}}))
+    check(launch(2, tmp_path / "run", [], config=str(config)))
+    _, train, _ = open_data("", 32, 1234, 320)
+    batch = torch.cat([train.micro_batch(0, m, 4, 2, 0, 1) for m in range(2)])
+    with torch.no_grad():
+        logits = hf(batch[:, :-1]).logits
+    expected = float(torch.stack([F.cross_entropy(logits[i:i + 2].reshape(-1, 320), batch[i:i + 2, 1:].reshape(-1))
+                                  for i in (0, 2)]).mean())
+    got = train_losses(tmp_path / "run")[1]
+    assert abs(got - expected) < 1e-4 * expected, (got, expected)
+
+
+def test_init_from_another_architecture_is_refused(tmp_path):
+    _hf_model(tmp_path)
+    proc = launch(1, tmp_path / "run", ["train.max_steps=1", f"train.init_from={tmp_path / 'hf'}"],
+                  launcher="python")
+    assert proc.returncode == 2 and "train.init_from" in proc.stderr and "Traceback" not in proc.stderr
