@@ -370,6 +370,11 @@ class Trainer:
         for kind, sent in r["comm"]["sent"].items():  # this rank's bytes in the last step
             record[f"comm.{kind}_sent_bytes"] = sent
             record[f"comm.{kind}_received_bytes"] = r["comm"]["received"][kind]
+        seconds = r["comm"].get("seconds", {})
+        for kind, s in seconds.items():
+            record[f"comm.{kind}_s"] = s
+        # the step split: time inside the dispatch/combine all-to-alls (forward and backward)
+        record["time.all_to_all_s"] = sum(s for k, s in seconds.items() if k.startswith(("dispatch", "combine")))
         if self.sink:
             self.sink.log(self.step, record)
             self.sink.progress(self.step, record)

@@ -32,6 +32,9 @@ def test_run_directory_contents(run):
                         "expert.max_over_mean", "expert.cv"):
                 assert math.isfinite(r[key]), key
             assert r["tokens_per_s"] > 0 and r["expert.max_over_mean"] >= 1.0
+            split = [r[f"time.{k}_s"] for k in ("data", "forward", "backward", "optimizer", "all_to_all")]
+            assert all(v >= 0 for v in split) and r["time.forward_s"] > 0
+            assert sum(split[:4]) <= r["step_time_s"] * 1.01
     vals = [r["val_loss"] for r in recs if "val_loss" in r]
     assert len(vals) == 2 and all(0 < v < 7 for v in vals)
     # checkpoints: only the newest kept, pointed at by latest, weights under global names
