@@ -60,13 +60,18 @@ PRECISIONS = {
     "mixed": Precision("mixed", 2, 2, 12, 2, "bf16 params 2 + bf16 grads 2 + fp32 master, Adam m, v 12 "
                                               "(ZeRO paper, K=12)"),
     "fp32": Precision("fp32", 4, 4, 8, 4, "fp32 params 4 + fp32 grads 4 + fp32 Adam m, v 8"),
+    # what this trainer's DeepSpeed ZeRO-1 engine holds for train.dtype fp32: its optimizer clones the rank's
+    # partition into an fp32 master copy even when the weights are fp32 (measured: tests/test_plan_honesty.py)
+    "fp32_master": Precision("fp32_master", 4, 4, 12, 4, "fp32 params 4 + fp32 grads 4 + fp32 master copy, "
+                                                         "Adam m, v 12 (DeepSpeed ZeRO 1-2 in fp32)"),
     "bf16": Precision("bf16", 2, 2, 4, 2, "bf16 params 2 + bf16 grads 2 + bf16 Adam m, v 4 (no master copy)"),
 }
 
 
 def precision_for(name: Optional[str], train_dtype: str) -> Precision:
-    """The named recipe; by default `mixed` for train.dtype bf16 and `fp32` for fp32."""
-    name = name or ("mixed" if train_dtype == "bf16" else "fp32")
+    """The named recipe; by default what the trainer's DeepSpeed ZeRO-1 engine holds: `mixed` for
+    train.dtype bf16 and `fp32_master` for fp32."""
+    name = name or ("mixed" if train_dtype == "bf16" else "fp32_master")
     if name not in PRECISIONS:
         raise PlanError(f"--precision must be one of {', '.join(PRECISIONS)}, got {name!r}.")
     return PRECISIONS[name]
@@ -306,8 +311,10 @@ def balanced_partition(n_layers: int, pp: int) -> list[int]:
 
 
 def stage_partition(cfg: Config) -> list[int]:
-    """`parallel.pp_partition` if given, else `balanced_partition`."""
-    return list(cfg.parallel.pp_partition or balanced_partition(cfg.model.num_hidden_layers, cfg.parallel.pp))
+    """Layers per stage exactly as the trainer splits them: `parallel.pp_partition`
+    if given, else balanced by estimated compute (parallel/pipeline.py)."""
+    from .parallel.pipeline import stage_layers
+    return [len(layers) for layers in stage_layers(cfg, cfg.train.seq_len)]
 
 
 def in_flight(stage: int, pp: int, micro_batches: int) -> int:
@@ -326,15 +333,16 @@ def _layer_stages(partition: Sequence[int]) -> list[int]:
 
 
 def _stages_of(name: str, m: ModelConfig, layer_stage: list[int]) -> tuple[int, ...]:
-    """Stages that hold a parameter. The last stage keeps a copy of embed_tokens when the head is
-    tied to it or an MTP module embeds tokens there (DeepSeek-V3 shares them; PP needs the copy)."""
+    """Stages that hold a parameter. No stage copies embed_tokens: MTP modules on the last stage read
+    the token embeddings that the first stage sends along with the hidden states (the trainer's
+    pipeline carries [h, emb]), and a head tied to the embedding is refused with pp > 1. Only a
+    tied head (pp = 1 in the trainer) would need a copy."""
     last = max(layer_stage)
     layer = _layer_id(name)
     if layer is not None:
         return (layer_stage[layer] if layer < m.num_hidden_layers else last,)
     if "embed_tokens" in name:
-        copy = last > 0 and (m.tie_word_embeddings or mtp_layers(m) > 0)
-        return (0, last) if copy else (0,)
+        return (0, last) if last > 0 and m.tie_word_embeddings else (0,)
     return (last,)  # model.norm, lm_head
 
 
@@ -655,12 +663,16 @@ class ZeroComm:
         return cls(all_reduce, reduce_scatter, all_gather, all_reduce + reduce_scatter + all_gather)
 
 
-def zero_comm(n_params: float, group: int, zero: int, micro_batches: int, prec: Precision) -> ZeroComm:
+def zero_comm(n_params: float, group: int, zero: int, micro_batches: int, prec: Precision,
+              stage1_all_reduce: bool = False) -> ZeroComm:
     """Data-parallel traffic for `n_params` parameters replicated over `group` ranks. What is counted:
 
     ZeRO-0: one all-reduce of the gradients per step (accumulated locally over the micro-batches).
     ZeRO-1: the gradients reduce-scattered once per step (each rank needs the sum for its optimizer
     shard only), then the updated parameters all-gathered: together the bytes of one all-reduce.
+    With `stage1_all_reduce` (what DeepSpeed's stage 1 does, and so `make_plan`: it all-reduces the
+    whole gradient buffer at the accumulation boundary, reduce-scattering only from stage 2 on) the
+    gradients are all-reduced instead: 1.5x the bytes of the textbook ZeRO-1.
     ZeRO-2: the reduce-scatter runs every micro-batch (no full gradient buffer to accumulate into, as
     in DeepSpeed), then one all-gather. ZeRO-3: every micro-batch all-gathers the parameters for the
     forward and again for the backward and reduce-scatters the gradients (3x instead of 2x).
@@ -670,6 +682,8 @@ def zero_comm(n_params: float, group: int, zero: int, micro_batches: int, prec: 
     if zero == 0:
         return ZeroComm.of(all_reduce=2 * grads)
     if zero == 1:
+        if stage1_all_reduce:
+            return ZeroComm.of(all_reduce=2 * grads, all_gather=params)
         return ZeroComm.of(reduce_scatter=grads, all_gather=params)
     if zero == 2:
         return ZeroComm.of(reduce_scatter=micro_batches * grads, all_gather=params)
@@ -692,6 +706,32 @@ def tensor_parallel_bytes(blocks: int, micro_batches: int, tp: int, activation_b
     """Per block and pass, 2 all-reduces of the [tokens, hidden] activation (activation_bytes), or with
     sequence parallelism 2 all-gathers + 2 reduce-scatters: the same 4 (tp-1)/tp * activation_bytes."""
     return blocks * micro_batches * _passes(recompute) * 4 * (tp - 1) / tp * activation_bytes
+
+
+def tensor_parallel_extra_bytes(m: ModelConfig, stage: int, pp: int, n_blocks: int, micro_batches: int, tp: int,
+                                 tokens: float, act_bytes: int, grad_bytes: int, sp: bool) -> float:
+    """What tensor parallelism moves outside the blocks' 4 collectives per pass, per step: the
+    vocabulary-parallel embedding (first stage: all-reduce forward, or reduce-scatter forward +
+    all-gather backward with SP) and the head's input (last stage: all-reduce backward, or all-gather
+    forward + reduce-scatter backward): 2 (tp-1)/tp x [tokens, hidden] each; the vocabulary-parallel
+    loss (last stage: 3 all-reduces of an fp32 [tokens] vector: max, sum of exponentials, target
+    logit); with SP the all-reduce of each replicated RMSNorm weight's partial grad (2 per block +
+    the final norm); k/v projections replicated because kv heads < tp: their grads all-reduced in an
+    (kv heads, ...) buffer. Every micro-batch."""
+    if tp == 1:
+        return 0.0
+    f, h = 2 * (tp - 1) / tp, m.hidden_size
+    ends = (stage == 0) + (stage == pp - 1)
+    per_mb = ends * f * tokens * h * act_bytes
+    if stage == pp - 1:
+        per_mb += 3 * f * tokens * FP32
+    if sp:
+        per_mb += f * h * grad_bytes * (2 * n_blocks + (stage == pp - 1))
+    kv = m.num_key_value_heads or m.num_attention_heads
+    if m.arch == "llama3" and kv < tp:
+        d = m.head_dim or h // m.num_attention_heads
+        per_mb += n_blocks * 2 * f * kv * d * h * grad_bytes
+    return micro_batches * per_mb
 
 
 def context_parallel_bytes(blocks: int, micro_batches: int, cp: int, local_kv_bytes: float, recompute: str) -> float:
@@ -798,10 +838,12 @@ def _stage_comm(cfg: Config, st: _Setting, stage: int, blocks: list[int], params
     sp = p.sequence_parallel and p.tp > 1
     moe = sum(is_moe_layer(m, i) for i in blocks)
     a2a = moe * mb * _passes(p.recompute) * st.alltoall.sent
-    dense = zero_comm(params.dense, st.dense_group, st.zero, mb, st.precision)
-    expert = zero_comm(params.expert, st.edp, st.zero, mb, st.precision)
-    pipe = pipeline_bytes(stage, p.pp, mb, tokens * m.hidden_size * b / (p.tp if sp else 1))
-    tensor = tensor_parallel_bytes(len(blocks), mb, p.tp, tokens * m.hidden_size * b, p.recompute)
+    dense = zero_comm(params.dense, st.dense_group, st.zero, mb, st.precision, stage1_all_reduce=True)
+    expert = zero_comm(params.expert, st.edp, st.zero, mb, st.precision, stage1_all_reduce=True)
+    width = m.hidden_size * (2 if mtp_layers(m) else 1)  # MTP: the token embeddings travel with h
+    pipe = pipeline_bytes(stage, p.pp, mb, tokens * width * b / (p.tp if sp else 1))
+    tensor = tensor_parallel_bytes(len(blocks), mb, p.tp, tokens * m.hidden_size * b, p.recompute) + \
+        tensor_parallel_extra_bytes(m, stage, p.pp, len(blocks), mb, p.tp, tokens, b, st.precision.grad_bytes, sp)
     context = context_parallel_bytes(len(blocks), mb, p.cp, tokens * _kv_bytes_per_token(m, p.tp, b), p.recompute)
     total = dense.total + expert.total + a2a + pipe + tensor + context
     return StageComm(dense, expert, a2a, pipe, tensor, context, total)
@@ -975,7 +1017,8 @@ def _stage_lines(plan: Plan) -> list[str]:
             "recomputed. Not counted: communication buffers, allocator fragmentation, CUDA workspaces.", ""]
 
 
-_ZERO_TRAFFIC = {0: "all-reduce of gradients", 1: "reduce-scatter gradients + all-gather parameters, once per step",
+_ZERO_TRAFFIC = {0: "all-reduce of gradients", 1: "all-reduce gradients (as DeepSpeed's stage 1 does) + all-gather "
+                                                 "parameters, once per step",
                  2: "reduce-scatter gradients every micro-batch + all-gather parameters",
                  3: "all-gather parameters twice and reduce-scatter gradients, every micro-batch"}
 
@@ -991,7 +1034,8 @@ def _comm_rows(plan: Plan) -> list[tuple[str, object]]:
         (f"expert all-to-all (dispatch + combine, forward + backward{recompute}; "
          f"{fmt_bytes(plan.alltoall_per_layer.sent)} per MoE layer and micro-batch)", lambda s: s.comm.all_to_all),
         ("pipeline send/recv (activations forward, gradients backward)", lambda s: s.comm.pipeline),
-        (f"tensor parallel (tp {plan.tp}: 2 all-reduces per layer per pass{sp})", lambda s: s.comm.tensor),
+        (f"tensor parallel (tp {plan.tp}: 2 all-reduces per layer per pass{sp}; embedding, head input, "
+         f"vocabulary-parallel loss, replicated-weight grads)", lambda s: s.comm.tensor),
         (f"context parallel (cp {plan.cp}: all-gather K, V forward; reduce-scatter grads backward)",
          lambda s: s.comm.context),
         ("**total**", lambda s: s.comm.total),

@@ -207,7 +207,10 @@ def test_deepseek_plan_on_2048_gpus(deepseek):
     assert result.stages[0].activations.in_flight == 16
     assert result.bubble == pytest.approx(15 / 135)
     assert result.stages[1].params.expert == pytest.approx(4 * 256 * 3 * 7168 * 2048 / 64)
-    assert result.stages[0].moe_blocks == 0 and result.stages[-1].moe_blocks == 4  # 3 layers + MTP
+    # the trainer's cost-balanced split: stage 0 = 3 dense + 1 MoE layer; the last stage,
+    # which also pays the 129K-vocabulary head twice (main + MTP), = 1 layer + the MTP block
+    assert plan.stage_partition(deepseek) == [4] * 15 + [1]
+    assert result.stages[0].moe_blocks == 1 and result.stages[-1].moe_blocks == 2
     for s in result.stages:
         assert s.activations.full_recompute < s.activations.no_recompute
     assert result.fits
@@ -247,7 +250,7 @@ def test_cli_bad_input_is_one_sentence(args, message):
 
 
 def test_cli_plan_that_does_not_fit_exits_3():
-    out = run_cli("--config", "configs/deepseek_v3_671b.yaml", "--gpus", "2048", "--gpu-memory-gb", "20")
+    out = run_cli("--config", "configs/deepseek_v3_671b.yaml", "--gpus", "2048", "--gpu-memory-gb", "10")
     assert out.returncode == 3
     assert "does not fit" in out.stderr and "Traceback" not in out.stderr
     assert "Verdict" in out.stdout

@@ -266,8 +266,9 @@ class PipelineExecutor:
 
     def __init__(self, engine, stage: PipelineStage, mesh, micro_batches: int, carried_shape: tuple,
                  dtype: torch.dtype, device: torch.device, schedule: str = "1f1b", trace: Optional[Trace] = None,
-                 meter: Optional[ActivationMeter] = None):
+                 meter: Optional[ActivationMeter] = None, counter=None):
         self.engine, self.stage, self.mesh = engine, stage, mesh
+        self.counter = counter  # a CommCounter: bytes of every send ("pp_send") and receive ("pp_recv")
         self.m, self.shape, self.dtype, self.device = micro_batches, carried_shape, dtype, device
         pp, s = mesh.layout.pp, mesh.coord["pp"]
         self.ops = SCHEDULES[schedule](s, pp, micro_batches)
@@ -282,13 +283,22 @@ class PipelineExecutor:
         t0 = time.perf_counter()
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         dist.recv(buf, src=src)
-        self.trace.record(kind, micro, t0, time.perf_counter())
+        t1 = time.perf_counter()
+        self.trace.record(kind, micro, t0, t1)
+        if self.counter is not None:
+            self.counter.add("pp_recv", 0, buf.numel() * buf.element_size())
+            self.counter.add_time("pp_recv", t1 - t0)
         return buf
 
     def _send(self, t: torch.Tensor, dst: int, kind: str, micro: int, pending: list) -> None:
         t0 = time.perf_counter()
-        pending.append((dist.isend(t.contiguous(), dst=dst), t))
-        self.trace.record(kind, micro, t0, time.perf_counter())
+        t = t.contiguous()
+        pending.append((dist.isend(t, dst=dst), t))
+        t1 = time.perf_counter()
+        self.trace.record(kind, micro, t0, t1)
+        if self.counter is not None:
+            self.counter.add("pp_send", t.numel() * t.element_size(), 0)
+            self.counter.add_time("pp_send", t1 - t0)
 
     def step(self, get_batch: Callable[[int], tuple]) -> StepResult:
         """get_batch(i) -> (input_ids, labels, positions) of micro-batch i."""

@@ -11,9 +11,11 @@ import torch
 from ..config import Config, Layout
 
 
-def deepspeed_config(cfg: Config, layout: Layout) -> dict:
+def deepspeed_config(cfg: Config, layout: Layout, comms_logger: bool = False) -> dict:
+    """comms_logger: turn on DeepSpeed's comms logger for every op (deepspeed.comm.comms_logger.comms_dict
+    then holds {op: {message bytes: [count, latencies, algbw, busbw]}}; tests and bench_layouts read it)."""
     t = cfg.train
-    return {
+    out = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": layout.grad_accum,
         # DeepSpeed counts the ranks it reduces over (dp x cp) as data parallel
@@ -28,6 +30,9 @@ def deepspeed_config(cfg: Config, layout: Layout) -> dict:
         "wall_clock_breakdown": False,
         "seed": cfg.run.seed,
     }
+    if comms_logger:
+        out["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False, "debug": True}
+    return out
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
