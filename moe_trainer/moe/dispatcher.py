@@ -119,7 +119,7 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
 class _LocalCtx:
     token_of: torch.Tensor  # (M,) source token of each sorted row (padding rows: token 0)
     n_tokens: int
-    inverse: Optional[torch.Tensor] = None  # (N*k,) sorted row of each routed copy; None when copies were dropped
+    inverse: Optional[torch.Tensor] = None  # (N, k) flat: sorted rows of each token's copies (ascending); None if dropped
     k: int = 1
 
 
@@ -177,8 +177,11 @@ class LocalDispatcher:
                 pad_rows = None
         token_of = order // k
         gate = GatherRows.apply(topk_weight.reshape(-1), order, inverse, 1)
-        xs = GatherRows.apply(x, token_of, inverse, k, pad_rows)
-        return Dispatched(xs, gate, counts, _LocalCtx(token_of, n, inverse, k), dropped)
+        # each token's copies in sorted-row order: the sums over copies then add in the same
+        # order as index_add_ / index_put_(accumulate=True) did (bitwise equal in fp32)
+        by_row = inverse.view(n, k).sort(dim=1).values.view(-1)
+        xs = GatherRows.apply(x, token_of, by_row, k, pad_rows)
+        return Dispatched(xs, gate, counts, _LocalCtx(token_of, n, by_row, k), dropped)
 
     def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
         c = d.ctx

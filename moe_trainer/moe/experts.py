@@ -5,11 +5,12 @@ gate_up_proj (E, 2H, d) and down_proj (E, d, H). Inputs arrive sorted by
 expert with per-expert counts; the gate value is multiplied in before the down
 projection, so combining is one sum per token.
 
-The fast path is one autograd Function (`GroupedSwiGLUExperts`): forward is two
-grouped GEMMs around a SwiGLU computed in place; backward computes every
-gradient itself (two grouped GEMMs for the input gradients, two for the weight
-gradients straight into the weights' own layout) and recomputes silu from the
-saved pre-activation instead of keeping the intermediate tensors autograd would.
+The fast path is one autograd Function (`GroupedSwiGLUExperts`) that walks the
+experts in blocks of ~2048 rows: torch._grouped_mm for the gate/up projection, the
+SwiGLU in place on the cache-resident block, mm into preallocated outputs for the
+down projection. Only x and the pre-activation are saved; backward recomputes the
+SwiGLU output, writes the weight gradients straight into the weights' layout and
+never allocates an (M, H) or (M, 2H) temporary.
 """
 from __future__ import annotations
 
@@ -39,39 +40,6 @@ _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _aligned(t: torch.Tensor) -> bool:
     """_grouped_mm needs a 16-byte aligned data pointer and row strides that are multiples of 16 bytes."""
     return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-
-
-# ----------------------------------------------------------------------------- grouped GEMMs
-
-def gmm(a: torch.Tensor, b: torch.Tensor, counts: list[int], offs: Optional[torch.Tensor]) -> torch.Tensor:
-    """Rows of a (M, K) in groups of counts[e], each times b[e] (K, N) -> (M, N).
-    offs (int32 cumulative counts) selects torch._grouped_mm; None selects a loop of mm."""
-    if offs is not None:
-        return torch._grouped_mm(a, b, offs=offs)
-    out = a.new_empty(a.shape[0], b.shape[-1])
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            torch.mm(a[start:start + n], b[e], out=out[start:start + n])
-        start += n
-    return out
-
-
-def gmm_wgrad(a: torch.Tensor, b: torch.Tensor, counts: list[int], offs: Optional[torch.Tensor]) -> torch.Tensor:
-    """Per group e: a_e^T (P, n_e) @ b_e (n_e, Q) -> (E, P, Q); zero for empty groups."""
-    if offs is not None:
-        out = torch._grouped_mm(a.t(), b, offs=offs)
-        empty = [e for e, n in enumerate(counts) if n == 0]
-        if empty:
-            out[empty] = 0
-        return out
-    out = a.new_zeros(len(counts), a.shape[1], b.shape[1])
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            torch.mm(a[start:start + n].t(), b[start:start + n], out=out[e])
-        start += n
-    return out
 
 
 # ----------------------------------------------------------------------------- SwiGLU pieces (no autograd)
@@ -194,16 +162,14 @@ class GroupedSwiGLUExperts(torch.autograd.Function):
             a = swiglu_forward(h, gate[r0:r1] if gate is not None else None, block=r1 - r0)
             _mm_rows(a, w2t, cs, e0, out[r0:r1])
             hs.append(h)
-        ctx.save_for_backward(w1, w2, gate)
-        # activations as attributes (not saved tensors) so backward frees each block once used
-        ctx.x, ctx.hs = x, hs
+        ctx.save_for_backward(w1, w2, gate, x, *hs)
         ctx.counts, ctx.blocks, ctx.grouped = counts, blocks, grouped
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        w1, w2, gate = ctx.saved_tensors
-        x, hs, counts, grouped = ctx.x, ctx.hs, ctx.counts, ctx.grouped
+        w1, w2, gate, x, *hs = ctx.saved_tensors
+        counts, grouped = ctx.counts, ctx.grouped
         need_x, need_w1, need_w2, need_gate = ctx.needs_input_grad[:4]
         need_gate = need_gate and gate is not None
         dy = dy.contiguous()
@@ -225,7 +191,6 @@ class GroupedSwiGLUExperts(torch.autograd.Function):
             da = _gmm_block(dy_b, w2[e0:e1], cs, grouped)  # (rows, H)
             dh, dg = swiglu_backward(da, h, g_b, need_gate, block=r1 - r0)
             del da
-            hs[i] = None
             if dg is not None:
                 dgate[r0:r1] = dg
             if need_w1:
@@ -237,8 +202,11 @@ class GroupedSwiGLUExperts(torch.autograd.Function):
                 w[covered:].zero_()
         if need_gate and ctx.blocks:
             dgate[ctx.blocks[-1][3]:].zero_()
-        del ctx.x, ctx.hs
         return dx, dw1, dw2, dgate, None, None
+
+
+def _grouped_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    return GROUPED_MM and x.dtype in _GROUPED_DTYPES and all(_aligned(t) for t in (x,) + weights)
 
 
 class Experts(nn.Module):
@@ -271,8 +239,7 @@ class Experts(nn.Module):
 
     def _grouped(self, x, counts, gate):
         x = x.contiguous()
-        if not (x.dtype in _GROUPED_DTYPES and _aligned(x) and _aligned(self.gate_up_proj)
-                and _aligned(self.down_proj)):
+        if not _grouped_ok(x, self.gate_up_proj, self.down_proj):
             return self._split_loop(x, counts, gate)  # e.g. hidden sizes that are not multiples of 16 bytes
         return GroupedSwiGLUExperts.apply(x, self.gate_up_proj, self.down_proj, gate, counts, True)
 

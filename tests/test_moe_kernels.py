@@ -1,0 +1,146 @@
+"""The MoE layer's custom autograd Functions: gradcheck in float64 on small shapes and
+equality with the plain-PyTorch computation they replace."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.autograd import gradcheck
+
+from moe_trainer.moe import experts as ex
+from moe_trainer.moe.dispatcher import CombineRows, GatherRows, LocalDispatcher, inverse_permutation, route_order
+from moe_trainer.moe.layer import MoE
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of >= 3 rows, so that a few experts span several blocks."""
+    monkeypatch.setattr(ex.expert_blocks, "__defaults__", (3,))
+
+
+def _expert_inputs(dtype, counts=(3, 0, 4, 2, 1, 0), d=4, hid=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    e, m = len(counts), sum(counts)
+    x = torch.randn(m, d, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    w1 = (torch.randn(e, 2 * hid, d, generator=g, dtype=torch.float64) / math.sqrt(d)).to(dtype).requires_grad_()
+    w2 = (torch.randn(e, d, hid, generator=g, dtype=torch.float64) / math.sqrt(hid)).to(dtype).requires_grad_()
+    gate = torch.rand(m, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    return x, w1, w2, gate, list(counts)
+
+
+@pytest.mark.parametrize("with_gate", [True, False])
+def test_grouped_swiglu_experts_gradcheck(with_gate, small_blocks):
+    x, w1, w2, gate, counts = _expert_inputs(torch.float64)
+    gate = gate if with_gate else None
+    fn = lambda x, w1, w2, *g: ex.GroupedSwiGLUExperts.apply(x, w1, w2, g[0] if g else None, counts, False)
+    assert gradcheck(fn, (x, w1, w2) + ((gate,) if with_gate else ()), eps=1e-6, atol=1e-5)
+
+
+def _plain_experts(x, w1, w2, gate, counts):
+    outs, s = [], 0
+    for e, n in enumerate(counts):
+        h = x[s:s + n] @ w1[e].t()
+        g, u = h.chunk(2, -1)
+        a = F.silu(g) * u
+        if gate is not None:
+            a = a * gate[s:s + n, None]
+        outs.append(a @ w2[e].t())
+        s += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["mm-loop", "grouped_mm"])
+@pytest.mark.parametrize("block", [3, 2048])
+def test_grouped_swiglu_experts_equals_plain(grouped, block, monkeypatch):
+    if grouped and not ex.GROUPED_MM:
+        pytest.skip("no torch._grouped_mm")
+    monkeypatch.setattr(ex.expert_blocks, "__defaults__", (block,))
+    x, w1, w2, gate, counts = _expert_inputs(torch.float32, counts=(5, 0, 7, 3, 4, 0), d=8, hid=8)
+    grads = []
+    for f in (lambda *a: ex.GroupedSwiGLUExperts.apply(*a, counts, grouped), lambda *a: _plain_experts(*a, counts)):
+        for t in (x, w1, w2, gate):
+            t.grad = None
+        y = f(x, w1, w2, gate)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        grads.append([y.detach()] + [t.grad.clone() for t in (x, w1, w2, gate)])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert torch.equal(grads[0][2][1], torch.zeros_like(grads[0][2][1]))  # empty experts: exact zeros
+    assert torch.equal(grads[0][3][5], torch.zeros_like(grads[0][3][5]))
+
+
+def _routing(n=7, k=3, e=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    topk_idx = torch.rand(n, e, generator=g).topk(k, -1).indices
+    order, counts, _ = route_order(topk_idx, e, None)
+    return topk_idx, order, counts
+
+
+@pytest.mark.parametrize("with_inverse", [True, False])
+def test_gather_rows_gradcheck_and_equals_indexing(with_inverse):
+    topk_idx, order, _ = _routing()
+    n, k = topk_idx.shape
+    token_of = order // k
+    inverse = inverse_permutation(order) if with_inverse else None
+    x = torch.randn(n, 4, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(lambda t: GatherRows.apply(t, token_of, inverse, k), (x,))
+    w = torch.rand(n * k, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(lambda t: GatherRows.apply(t, order, inverse, 1), (w,))
+    y = GatherRows.apply(x, token_of, inverse, k)
+    y_ref = x[token_of]
+    gy = torch.randn_like(y)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(torch.autograd.grad(y, x, gy)[0], torch.autograd.grad(y_ref, x, gy)[0])
+
+
+def test_gather_rows_zero_rows():
+    topk_idx, order, _ = _routing()
+    n, k = topk_idx.shape
+    token_of = torch.cat([order // k, torch.zeros(2, dtype=torch.long)])  # two padding rows reading token 0
+    inverse = inverse_permutation(order)
+    pad = torch.tensor([n * k, n * k + 1])
+    x = torch.randn(n, 4, dtype=torch.float64, requires_grad=True)
+    y = GatherRows.apply(x, token_of, inverse, k, pad)
+    assert torch.equal(y[n * k:], torch.zeros(2, 4, dtype=torch.float64))
+    assert gradcheck(lambda t: GatherRows.apply(t, token_of, inverse, k, pad), (x,))
+
+
+@pytest.mark.parametrize("with_inverse", [True, False])
+def test_combine_rows_gradcheck_and_equals_index_add(with_inverse):
+    topk_idx, order, _ = _routing()
+    n, k = topk_idx.shape
+    token_of = order // k
+    inverse = inverse_permutation(order) if with_inverse else None
+    y = torch.randn(n * k, 4, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(lambda t: CombineRows.apply(t, token_of, inverse, n, k), (y,))
+    out = CombineRows.apply(y, token_of, inverse, n, k)
+    ref = y.new_zeros(n, 4).index_add(0, token_of, y)
+    go = torch.randn_like(out)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(torch.autograd.grad(out, y, go)[0], torch.autograd.grad(ref, y, go)[0])
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_padded_dispatch_equals_unpadded(dtype, tol):
+    """Zero rows padding each expert to a multiple of 8 change no output or gradient."""
+    results = []
+    for pad in (1, 8):
+        torch.manual_seed(0)
+        moe = MoE(16, 6, 2, 16, 1, 1, 1, True, 2.5)
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.normal_(0, 0.3)
+        moe = moe.to(dtype)
+        moe.dispatcher = LocalDispatcher(6, pad_multiple=pad, pad_min_mean=1)
+        x = torch.randn(2, 20, 16, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
+        flat = x.detach().view(-1, 16)
+        routing = moe.gate(flat)
+        d = moe.dispatcher.dispatch(flat, routing.topk_idx, routing.topk_weight)
+        assert all(c % pad == 0 for c in d.counts) and sum(d.counts) >= 40 * 2
+        out, _ = moe(x)
+        (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append([out.float(), x.grad.float()] + [p.grad.float() for p in moe.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=tol * max(1.0, b.abs().max().item()), rtol=tol)
