@@ -75,20 +75,44 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 3.0 * (sum(matmul_flops_per_token(cfg).values()) + attention_flops_per_token(cfg, seq_len))
 
 
-def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, n: int = 1024, seconds: float = 0.5) -> float:
-    """This rank's achieved TFLOP/s on a square matmul (the roofline for MFU on a CPU)."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    for _ in range(2):
-        a @ b
-    iters, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        iters += 1
-    if device.type != "cpu":
-        from deepspeed.accelerator import get_accelerator
-        get_accelerator().synchronize()
-    return 2 * n ** 3 * iters / (time.perf_counter() - start) / 1e12
+# (m, k, n): the projection shapes of a small MoE/MLA model on a few thousand tokens
+ROOFLINE_SHAPES = ((4096, 512, 2048), (4096, 2048, 512), (2048, 2048, 2048))
+
+
+def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, shapes=ROOFLINE_SHAPES,
+                          seconds: float = 1.0, trials: int = 5) -> float:
+    """This rank's achieved TFLOP/s on plain matmuls (the roofline for MFU on a CPU).
+
+    Each shape gets `trials` short timed trials (after a warm-up) within about
+    `seconds` in all; the result is the best trial of the best shape. Best, not
+    mean: on a shared machine a busy neighbour only ever makes a trial slower,
+    so the fastest one is the closest to what the hardware sustains.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    def sync():
+        if device.type != "cpu":
+            get_accelerator().synchronize()
+    best = 0.0
+    budget = seconds / (len(shapes) * trials)
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=device).to(dtype)
+        b = torch.randn(k, n, device=device).to(dtype)
+        out = torch.empty(m, n, device=device, dtype=dtype)
+        torch.matmul(a, b, out=out)
+        sync()
+        t0 = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        sync()
+        reps = max(1, int(budget / max(time.perf_counter() - t0, 1e-6)))
+        for _ in range(trials):
+            sync()
+            start = time.perf_counter()
+            for _ in range(reps):
+                torch.matmul(a, b, out=out)
+            sync()
+            best = max(best, 2.0 * m * k * n * reps / (time.perf_counter() - start) / 1e12)
+    return best
 
 
 def peak_tflops(configured: Optional[float], dtype: torch.dtype, device: torch.device) -> tuple[float, str]:

@@ -1,0 +1,215 @@
+"""Gradient noise scale: the critical batch size, nearly free under data parallelism.
+
+McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training"), appendix A:
+with gradients measured at two batch sizes B_small < B_big (in tokens here),
+
+    |G|^2 ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
+    S     ~ (|G_small|^2 - |G_big|^2) / (1/B_small - 1/B_big)
+
+are unbiased estimates of the true gradient's squared norm and of tr(Sigma), the
+per-token gradient covariance's trace. The "simple" noise scale B_simple =
+tr(Sigma)/|G|^2 is where the batch size stops paying: below it a doubled batch
+almost halves the steps, far above it adds compute for little gain. Both
+estimates are noisy (S can be negative on one step), so each is smoothed with
+an exponential moving average and the ratio is taken of the averages.
+
+In training, B_small is a rank's micro-batch (its local gradient before
+DeepSpeed's reduction, recorded by `MicroGradNorms`' tensor hooks) and B_big
+the global batch (the all-reduced gradient, whose norm DeepSpeed computes for
+clipping; `ReducedGradNorm` keeps the part over the same parameters). Both sets
+must cover the same parameters:
+
+- parameters split across model-parallel ranks (tp shards, pipeline stages)
+  contribute partial squared norms that must be summed over the model-parallel
+  group (`mesh.group("mp")`); parameters replicated over tp are counted on tp
+  rank 0 only (as DeepSpeed's norm does), so tp ranks do not count them twice;
+- expert-parallel expert parameters (`p.allreduce is False`, set when ep > 1)
+  are excluded: after the all-to-all their local gradient mixes the tokens of
+  every EP rank, so it is not a per-micro-batch gradient. With ep == 1 the
+  experts are ordinary local parameters and are included;
+- with context parallelism a rank's micro-batch gradient covers its
+  sequence shard: B_small = micro_batch_size * seq_len / cp tokens.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+
+def unbiased_estimates(small_sq: float, big_sq: float, b_small: float, b_big: float) -> tuple[float, float]:
+    """(|G|^2, tr(Sigma)) from the mean squared norm of gradients over b_small
+    samples and the squared norm of one gradient over b_big samples."""
+    if not b_big > b_small > 0:
+        raise ValueError(f"need b_big > b_small > 0, got b_small={b_small}, b_big={b_big}")
+    g2 = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
+    s = (small_sq - big_sq) / (1.0 / b_small - 1.0 / b_big)
+    return g2, s
+
+
+class NoiseScale:
+    """Exponential moving averages of the two unbiased estimates and their ratio.
+
+    `alpha` is the weight of each new estimate (0.05: a ~20-step memory). The
+    averages start at zero and are bias-corrected as Adam's moments are; the
+    ratio `value` needs no correction (the factors cancel).
+    """
+
+    def __init__(self, alpha: float = 0.05):
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self.g2_ema = 0.0
+        self.s_ema = 0.0
+        self.steps = 0
+        self.last_g2 = math.nan
+        self.last_s = math.nan
+
+    def update(self, small_sq: float, big_sq: float, b_small: float, b_big: float) -> float:
+        """Add one step's measurement; returns the smoothed noise scale (units of B)."""
+        g2, s = unbiased_estimates(float(small_sq), float(big_sq), float(b_small), float(b_big))
+        if not (math.isfinite(g2) and math.isfinite(s)):
+            return self.value  # a skipped (non-finite) step does not poison the averages
+        self.last_g2, self.last_s = g2, s
+        self.g2_ema += self.alpha * (g2 - self.g2_ema)
+        self.s_ema += self.alpha * (s - self.s_ema)
+        self.steps += 1
+        return self.value
+
+    @property
+    def _debias(self) -> float:
+        return 1.0 - (1.0 - self.alpha) ** self.steps if self.steps else math.nan
+
+    @property
+    def grad_sq(self) -> float:
+        """Smoothed |G|^2."""
+        return self.g2_ema / self._debias
+
+    @property
+    def trace_sigma(self) -> float:
+        """Smoothed tr(Sigma) (per sample of the B unit)."""
+        return self.s_ema / self._debias
+
+    @property
+    def value(self) -> float:
+        """B_simple = tr(Sigma) / |G|^2 from the averages; nan before the first
+        update or while the averaged |G|^2 is not positive."""
+        if not self.steps or self.g2_ema <= 0:
+            return math.nan
+        return self.s_ema / self.g2_ema
+
+    def state_dict(self) -> dict:
+        return {"alpha": self.alpha, "g2_ema": self.g2_ema, "s_ema": self.s_ema, "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.alpha, self.g2_ema, self.s_ema, self.steps = (
+            state["alpha"], state["g2_ema"], state["s_ema"], state["steps"])
+
+
+def is_expert_parallel(p: torch.Tensor) -> bool:
+    """DeepSpeed's mark for expert-parallel parameters (deepspeed.moe.utils.is_moe_param)."""
+    return getattr(p, "allreduce", True) is False
+
+
+def is_tensor_parallel(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))
+
+
+def counted_params(module: nn.Module, count_replicated: bool = True) -> list[nn.Parameter]:
+    """The parameters both norms cover on this rank: trainable, not expert-parallel,
+    and (tp-sharded, or replicated and `count_replicated`, i.e. tp rank 0)."""
+    out, seen = [], set()
+    for p in module.parameters():
+        if id(p) in seen or not p.requires_grad or is_expert_parallel(p):
+            continue
+        seen.add(id(p))
+        if is_tensor_parallel(p) or count_replicated:
+            out.append(p)
+    return out
+
+
+class MicroGradNorms:
+    """Squared norms of each micro-batch's local gradient, via tensor hooks.
+
+    A hook on a leaf parameter sees the gradient of that one backward before it
+    is accumulated into `.grad` (and before DeepSpeed reduces anything), so the
+    sum of |grad|^2 over every hook call of one optimizer step, divided by the
+    number of micro-batches, is the mean over micro-batches of |g_micro|^2 on
+    this rank's counted parameters. `unscale` multiplies each gradient first:
+    DeepSpeed's `engine.backward` divides the loss by gradient_accumulation_steps,
+    so pass that (times 1/loss_scale under fp16's loss scaling).
+
+    The value is a partial sum: sum it over the model-parallel group (tp
+    shards, pipeline stages) and average it over the data-parallel ranks to
+    get E|G_small|^2. Kept as a device tensor (no host sync per hook).
+    """
+
+    def __init__(self, module: nn.Module, unscale: float = 1.0, count_replicated: bool = True,
+                 params: Optional[Iterable[nn.Parameter]] = None):
+        self.unscale = float(unscale)
+        self.params = list(params) if params is not None else counted_params(module, count_replicated)
+        self._sq: Optional[torch.Tensor] = None
+        self._handles = [p.register_hook(self._hook) for p in self.params]
+
+    def _hook(self, grad: torch.Tensor) -> None:
+        sq = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
+        self._sq = sq if self._sq is None else self._sq + sq
+        return None  # the gradient itself is unchanged
+
+    def take(self, micro_batches: int) -> torch.Tensor:
+        """Mean over the step's `micro_batches` of |g_micro|^2 (this rank's part,
+        unscaled); resets for the next step. A 0-dim float32 tensor."""
+        sq = self._sq if self._sq is not None else torch.zeros((), dtype=torch.float32)
+        self._sq = None
+        return sq * (self.unscale ** 2) / micro_batches
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class ReducedGradNorm:
+    """The squared norm of the all-reduced (global-batch) gradient over the same
+    parameters, read from what DeepSpeed's ZeRO-1/2 optimizer computes anyway.
+
+    DeepSpeed's `scaled_global_norm` calls `get_grad_norm_direct` once per
+    optimizer param group on the averaged gradient partitions, all-reduced over
+    the data-parallel and model-parallel groups. This wraps that method to keep
+    the per-group norms; `take()` returns the squared sum of the groups that are
+    not MoE groups (expert-parallel experts live in their own 'moe' groups when
+    ep > 1), so no extra communication is needed. Tied to DeepSpeed's
+    stage_1_and_2 optimizer (checked at construction).
+    """
+
+    def __init__(self, engine):
+        opt = engine.optimizer
+        if not hasattr(opt, "get_grad_norm_direct") or not hasattr(opt, "bit16_groups"):
+            raise TypeError(f"ReducedGradNorm needs DeepSpeed's ZeRO stage 1/2 optimizer, got {type(opt).__name__}")
+        self.opt = opt
+        self._norms: list[torch.Tensor] = []
+        inner = opt.get_grad_norm_direct
+
+        def recording(gradients, params, norm_type=2):
+            norm = inner(gradients, params, norm_type)
+            self._norms.append(norm.detach().float().reshape(()))
+            return norm
+        opt.get_grad_norm_direct = recording
+
+    def take(self) -> Optional[torch.Tensor]:
+        """Squared global-batch gradient norm over the non-MoE groups of the last
+        optimizer step (0-dim tensor, already global), or None when no norm was
+        computed (e.g. an overflow step)."""
+        norms, self._norms = self._norms, []
+        n = len(self.opt.bit16_groups)
+        if len(norms) < n:
+            return None
+        norms = norms[-n:]
+        if any(float(x) < 0 for x in norms):  # DeepSpeed masks a non-finite norm as -1
+            return None
+        moe = list(getattr(self.opt, "is_moe_param_group", [False] * n))
+        scale = float(getattr(self.opt, "loss_scale", 1.0) or 1.0)
+        total = sum(norms[i].square() for i in range(n) if not moe[i])
+        return torch.as_tensor(total, dtype=torch.float32) / scale ** 2
