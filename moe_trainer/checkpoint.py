@@ -186,7 +186,7 @@ def _finish(trainer, tmp: Path, final: Path, rngs: list) -> Path:
               str(tmp / "rng.safetensors"))
     state = {"step": trainer.step, "adam_step": adam_step(trainer.engine), "data_position": trainer.step,
              "arch": trainer.cfg.model.arch, "layout": trainer.layout.__dict__,
-             "model": trainer.cfg.to_dict()["model"]}
+             "model": trainer.cfg.to_dict()["model"], "noise_scale": trainer.noise.state_dict()}
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
     files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}
     (tmp / MANIFEST).write_text(json.dumps({"step": trainer.step, "files": files}, indent=1))
@@ -330,6 +330,8 @@ def load(path: Path, trainer) -> int:
             if "step" in st:
                 st["step"] = (torch.tensor(float(state["adam_step"]), dtype=st["step"].dtype)
                               if torch.is_tensor(st["step"]) else state["adam_step"])
+    if "noise_scale" in state:
+        trainer.noise.load_state_dict(state["noise_scale"])
     rng = _load_safetensors(path / "rng.safetensors")
     key = f"rank{trainer.mesh.rank}"
     if key in rng:

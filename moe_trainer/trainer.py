@@ -27,6 +27,7 @@ from .hf import load_initial_weights
 from .metrics import MetricSink, peak_memory_gb, peak_tflops, train_flops_per_token
 from .models.registry import build_model, moe_layers
 from .moe import balance
+from .noise_scale import MicroGradNorms, NoiseScale, ReducedGradNorm
 from .parallel.comm import CommCounter
 from .parallel.context import shard_sequence
 from .parallel.mesh import DeepSpeedMPU, Mesh
@@ -103,6 +104,11 @@ class Trainer:
             self.model = build_stage(self.model, cfg, mesh.coord["pp"], t.seq_len)
         self.engine = build_engine(self.model, cfg, self.layout, mpu=DeepSpeedMPU(mesh))
         self.executor = self._build_executor() if self.pipelined else None
+        # the critical batch size: per-micro-batch gradient norms vs the reduced one
+        self.micro_norms = MicroGradNorms(self.engine.module, unscale=self.layout.grad_accum,
+                                          count_replicated=mesh.index("tp") == 0)
+        self.reduced_norm = ReducedGradNorm(self.engine)
+        self.noise = NoiseScale(alpha=cfg.metrics.noise_scale_alpha)
         # every MoE layer of the model (global ids); this stage owns some rows
         self.moe_layer_ids = all_moe_layer_ids(cfg.model)
         local = {_global_layer_id(name, cfg.model): m for name, m in moe_layers(self.model)}
@@ -263,10 +269,27 @@ class Trainer:
     def finish_step(self, sums: dict, times: StepTimes, t0: float) -> dict:
         losses = self.reduce_losses({k: v / self.layout.grad_accum for k, v in sums.items()})
         skipped = not all(math.isfinite(v) for v in losses.values())
+        self.update_noise_scale(skipped)
         expert = self.update_expert_bias(apply=not skipped)
         step_time = time.perf_counter() - t0
         return {"losses": losses, "times": times, "step_time": step_time, "expert": expert,
                 "comm": self.comm.reset(), "skipped": skipped}
+
+    def update_noise_scale(self, skipped: bool) -> None:
+        """McCandlish's simple estimate from the mean squared micro-batch gradient
+        norm (B_small = one micro-batch) and the reduced gradient's (B_big = the
+        global batch); expert-parallel experts are left out of both."""
+        t = self.cfg.train
+        small = self.micro_norms.take(self.layout.grad_accum).to(self.device)
+        if self.mesh.group("mp") is not None:  # partial norms of tp shards and pp stages add up
+            dist.all_reduce(small, group=self.mesh.group("mp"))
+        if self.mesh.group("dpcp") is not None:
+            dist.all_reduce(small, group=self.mesh.group("dpcp"))
+            small /= self.mesh.size("dpcp")
+        big = self.reduced_norm.take()
+        b_small, b_big = t.micro_batch_size * t.seq_len / self.layout.cp, t.global_batch_size * t.seq_len
+        if big is not None and not skipped and b_big > b_small:
+            self.noise.update(float(small), float(big), b_small, b_big)  # host sync
 
     def pipeline_step(self) -> dict:
         self.barrier()  # a common start, so the trace's stages line up
@@ -365,6 +388,10 @@ class Trainer:
                   self.layout.world, "step_time_s": r["step_time"], "tflops_per_rank": tflops,
                   "mfu": tflops / self.peak, "peak_tflops": self.peak, "memory_gb": peak_memory_gb(self.device),
                   **r["times"].as_dict()}
+        record["global_batch_tokens"] = tokens
+        if self.noise.steps:
+            record.update({"noise_scale_tokens": self.noise.value, "noise.grad_sq": self.noise.grad_sq,
+                           "noise.trace_sigma": self.noise.trace_sigma})
         if r["expert"] is not None:
             record.update(self.expert_metrics(r["expert"]))
         for kind, sent in r["comm"]["sent"].items():  # this rank's bytes in the last step

@@ -29,7 +29,7 @@ def test_run_directory_contents(run):
     for r in recs:
         if "loss" in r:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_rank", "mfu", "step_time_s",
-                        "expert.max_over_mean", "expert.cv"):
+                        "expert.max_over_mean", "expert.cv", "noise_scale_tokens", "global_batch_tokens"):
                 assert math.isfinite(r[key]), key
             assert r["tokens_per_s"] > 0 and r["expert.max_over_mean"] >= 1.0
             split = [r[f"time.{k}_s"] for k in ("data", "forward", "backward", "optimizer", "all_to_all")]
@@ -57,7 +57,8 @@ def test_tensorboard_events_read_back(run):
     acc = EventAccumulator(str(out / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for tag in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "expert/max_over_mean"):
+    for tag in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "expert/max_over_mean",
+                "noise_scale_tokens", "time/forward_s", "memory_gb"):
         assert tag in tags, sorted(tags)
     losses = [e.value for e in acc.Scalars("loss")]
     assert len(losses) == 4 and all(math.isfinite(v) and 0 < v < 7 for v in losses)
