@@ -42,11 +42,12 @@ def measured_bubble(stages: list[list[dict]]) -> float:
     return sum(idle) / len(idle)
 
 
-def write_trace(out_dir: Path, stages: list[list[dict]], micro_batches: int, step: int) -> dict:
+def write_trace(out_dir: Path, stages: list[list[dict]], micro_batches: int, step: int,
+                schedule: str = "1f1b") -> dict:
     """pipeline_trace.json and pipeline_trace.png in the run directory; returns the summary."""
     from .parallel.pipeline import theoretical_bubble
     pp = len(stages)
-    summary = {"step": step, "stages": pp, "micro_batches": micro_batches,
+    summary = {"step": step, "schedule": schedule, "stages": pp, "micro_batches": micro_batches,
                "measured_bubble": measured_bubble(stages), "theoretical_bubble": theoretical_bubble(pp, micro_batches),
                "peak_in_flight": [peak_in_flight_measured(ev) for ev in stages],
                "events": stages}
@@ -77,7 +78,7 @@ def plot_timeline(stages: list[list[dict]], path: Path, summary: dict) -> None:
     ax.set_yticks(range(len(stages)), [f"stage {s}" for s in range(len(stages))])
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the step's start")
-    ax.set_title(f"1F1B, {summary['stages']} stages x {summary['micro_batches']} micro-batches: bubble "
+    ax.set_title(f"{summary['schedule'].upper()}, {summary['stages']} stages x {summary['micro_batches']} micro-batches: bubble "
                  f"{100 * summary['measured_bubble']:.1f}% measured, "
                  f"{100 * summary['theoretical_bubble']:.1f}% = (p-1)/(m+p-1)")
     fig.tight_layout()

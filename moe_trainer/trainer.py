@@ -232,8 +232,8 @@ class Trainer:
         tokens = t.seq_len // p.cp // (p.tp if p.tp > 1 and p.sequence_parallel else 1)  # a sequence shard
         self.trace = Trace(enabled=self.cfg.debug.trace_pipeline)
         return PipelineExecutor(self.engine, self.model, self.mesh, self.layout.grad_accum,
-                                (t.micro_batch_size, tokens, width), self.dtype, self.device, trace=self.trace,
-                                counter=self.comm)
+                                (t.micro_batch_size, tokens, width), self.dtype, self.device, schedule=p.schedule,
+                                trace=self.trace, counter=self.comm)
 
     def train_step(self) -> dict:
         set_lr(self.engine, get_lr(self.step, self.cfg.train))
@@ -308,7 +308,8 @@ class Trainer:
         if self.is_logger:
             from .pipeline_trace import write_trace
             stages = [ev for coord, ev in events if coord["dp"] == 0 and coord["tp"] == 0 and coord["cp"] == 0]
-            summary = write_trace(self.out_dir, stages, self.layout.grad_accum, self.step)
+            summary = write_trace(self.out_dir, stages, self.layout.grad_accum, self.step,
+                                  schedule=self.cfg.parallel.schedule)
             print(f"pipeline bubble: {100 * summary['measured_bubble']:.1f}% measured, "
                   f"{100 * summary['theoretical_bubble']:.1f}% theoretical (p-1)/(m+p-1); "
                   f"trace in {self.out_dir / 'pipeline_trace.json'}", flush=True)

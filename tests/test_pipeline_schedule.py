@@ -103,3 +103,15 @@ def test_trace_of_a_real_run_is_1f1b(tmp_path):
     assert 0.0 <= trace["measured_bubble"] < 1.0
     assert trace["theoretical_bubble"] == pytest.approx(2 / 8)
     assert (out / "pipeline_trace.png").stat().st_size > 10_000
+
+
+def test_gpipe_order_runs_when_asked(tmp_path):
+    """The reference order through the same executor: every forward, then every backward."""
+    out = tmp_path / "run"
+    check(launch(2, out, TINY + ["parallel.pp=2", "train.max_steps=1", "train.global_batch_size=8",
+                                 "train.micro_batch_size=2", "debug.trace_pipeline=true", "parallel.schedule=gpipe"]))
+    trace = json.loads((out / "pipeline_trace.json").read_text())
+    assert trace["schedule"] == "gpipe"
+    for s, events in enumerate(trace["events"]):
+        assert executed_order(events) == gpipe(s, 2, 4)
+        assert peak_in_flight_measured(events) == 4

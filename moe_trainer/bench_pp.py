@@ -1,0 +1,474 @@
+"""Pipeline-parallel benchmark (issue #5): bubble, activation memory per schedule, recomputation.
+
+Three parts, each printing a markdown table (docs/BENCHMARKS_pp.md holds a run's output):
+
+bubble     the real trainer under the deepspeed launcher (`--set parallel.pp=P --set debug.trace_pipeline=true`,
+           global_batch_size = micro_batch_size * m, so m micro-batches per step) for every P x m; reads
+           pipeline_trace.json (the last step): measured bubble, theoretical (p-1)/(m+p-1), and a
+           compute-only bubble: the schedule replayed from the trace's own forward/backward box durations
+           with the schedule's dependencies and zero transfer/scheduling delay (see `replay_bubble`).
+memory     one process: every stage of a P-stage split (the stage's own layers, PipelineStage) runs its
+           F/B order for m micro-batches under saved-tensor hooks; peak saved-activation bytes per stage
+           under GPipe order and under 1F1B. Optionally (--real-gpipe) the trainer run with
+           parallel.schedule=gpipe, to check which order it actually executed.
+recompute  one process: for parallel.recompute none | selective | full, the largest micro-batch whose peak
+           saved-activation bytes fit a fixed budget, and training tokens/s at that micro-batch
+           (forward + backward + AdamW step, median of a few steps).
+
+Usage: python -m moe_trainer.bench_pp [--parts bubble,memory,recompute] [--pps 2,4] [--ms 1,4,8,16]
+                                      [--out JSON] [--timeline PNG]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "configs/moe_tiny.yaml"
+
+# the trainer runs of the bubble part: moe_tiny (hidden 256, 1 dense + 3 MoE layers), short sequences
+BUBBLE_SET = ["train.seq_len=128", "train.micro_batch_size=2", "train.max_steps=3", "train.warmup_steps=1",
+              "train.eval_every=0", "train.checkpoint_every=0", "train.log_every=1", "train.resume=none",
+              "metrics.tensorboard=false", "metrics.peak_tflops=1.0"]
+
+
+# ----------------------------------------------------------------------------- bubble
+
+
+def replay_bubble(events: list[list[dict]], schedule: str = "1f1b") -> float:
+    """Bubble of the schedule replayed with each stage's measured compute-box durations.
+
+    Every op starts as soon as (a) the previous op of its stage has ended and (b) its input exists:
+    F(s, i) needs F(s-1, i), B(s, i) needs B(s+1, i) (B(last, i) needs F(last, i), which the stage order
+    already gives). Sends, receives and waiting for a descheduled neighbour cost nothing, so what
+    remains is the bubble the schedule itself implies for these compute times (stage imbalance included).
+    Same formula as pipeline_trace.measured_bubble: mean over stages of 1 - busy / span."""
+    from .parallel.pipeline import SCHEDULES
+    pp = len(events)
+    dur = [{("F" if e["kind"] == "forward" else "B", e["micro"]): e["end"] - e["start"]
+            for e in ev if e["kind"] in ("forward", "backward")} for ev in events]
+    m = sum(1 for k in dur[0] if k[0] == "F")
+    ops = [SCHEDULES[schedule](s, pp, m) for s in range(pp)]
+    end: dict = {}
+    pos = [0] * pp
+    clock = [0.0] * pp
+    done = 0
+    total = sum(len(o) for o in ops)
+    while done < total:
+        progressed = False
+        for s in range(pp):
+            while pos[s] < len(ops[s]):
+                kind, i = ops[s][pos[s]]
+                dep = (s - 1, "F", i) if kind == "F" and s > 0 else (s + 1, "B", i) if kind == "B" and s < pp - 1 \
+                    else None
+                if dep is not None and dep not in end:
+                    break
+                start = max(clock[s], end[dep] if dep else 0.0)
+                clock[s] = end[(s, kind, i)] = start + dur[s][(kind, i)]
+                pos[s] += 1
+                done += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("schedule replay deadlocked")
+    span = max(clock)
+    busy = [sum(d.values()) for d in dur]
+    return sum(1.0 - b / span for b in busy) / pp
+
+
+def _env(threads: int = 1) -> dict:
+    e = dict(os.environ)
+    e.setdefault("DS_ACCELERATOR", "cpu")
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e["OMP_NUM_THREADS"] = str(threads)
+    return e
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bubble_sets(pp: int, m: int, mbs: int, schedule: str = "1f1b") -> list[str]:
+    sets = [s for s in BUBBLE_SET if not s.startswith("train.micro_batch_size")]
+    sets += [f"train.micro_batch_size={mbs}", f"train.global_batch_size={mbs * m}", f"parallel.pp={pp}",
+             "debug.trace_pipeline=true"]
+    if schedule != "1f1b":
+        sets.append(f"parallel.schedule={schedule}")
+    return sets
+
+
+def run_trainer(pp: int, m: int, mbs: int, out_dir: Path, schedule: str = "1f1b", timeout: int = 600) -> dict:
+    sets = bubble_sets(pp, m, mbs, schedule)
+    args = [f"--config={CONFIG}"] + [a for s in sets + [f"run.out_dir={out_dir}"] for a in ("--set", s)]
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(pp), "--master_port", str(_port()),
+           "--module", "moe_trainer.train", *args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    trace_path = out_dir / "pipeline_trace.json"
+    if proc.returncode != 0 or not trace_path.exists():
+        raise RuntimeError(f"pp={pp} m={m} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+    trace = json.loads(trace_path.read_text())
+    metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line]
+    steps = [r for r in metrics if "step_time_s" in r]
+    return {"trace": trace, "step_time_s": steps[-1]["step_time_s"] if steps else None,
+            "tokens_per_s": steps[-1]["tokens_per_s"] if steps else None, "wall_s": wall}
+
+
+def bench_bubble(pps: list[int], ms: list[int], mbs: int, tmp: Path, timeline: Path | None) -> list[dict]:
+    from .pipeline_trace import executed_order
+    from .parallel.pipeline import one_f_one_b
+    rows, best = [], None
+    for pp in pps:
+        for m in ms:
+            out = tmp / f"pp{pp}_m{m}"
+            r = run_trainer(pp, m, mbs, out)
+            tr = r["trace"]
+            ev = tr["events"]
+            busy = [sum(e["end"] - e["start"] for e in s if e["kind"] in ("forward", "backward")) for s in ev]
+            fwd = [statistics.median([e["end"] - e["start"] for e in s if e["kind"] == "forward"]) for s in ev]
+            bwd = [statistics.median([e["end"] - e["start"] for e in s if e["kind"] == "backward"]) for s in ev]
+            order_ok = all(executed_order(s) == one_f_one_b(i, pp, m) for i, s in enumerate(ev))
+            row = {"pp": pp, "m": m, "theoretical": tr["theoretical_bubble"], "measured": tr["measured_bubble"],
+                   "compute_only": replay_bubble(ev), "step_time_s": r["step_time_s"],
+                   "tokens_per_s": r["tokens_per_s"], "fwd_ms": [1e3 * x for x in fwd],
+                   "bwd_ms": [1e3 * x for x in bwd], "busy_s": busy, "order_1f1b": order_ok,
+                   "peak_in_flight": tr["peak_in_flight"], "run_dir": str(out)}
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "run_dir"}), flush=True)
+            if pp == max(pps) and m == 8:
+                best = out
+    if timeline is not None and best is not None and (best / "pipeline_trace.png").exists():
+        timeline.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(best / "pipeline_trace.png", timeline)
+    return rows
+
+
+def bubble_table(rows: list[dict]) -> str:
+    out = ["| pp | m | theory (p-1)/(m+p-1) | measured | compute-only (replay) | step s | tokens/s | "
+           "median F ms per stage | median B ms per stage | executed 1F1B |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['pp']} | {r['m']} | {100 * r['theoretical']:.1f}% | {100 * r['measured']:.1f}% | "
+                   f"{100 * r['compute_only']:.1f}% | {r['step_time_s']:.3f} | {r['tokens_per_s']:.0f} | "
+                   f"{' / '.join(f'{x:.0f}' for x in r['fwd_ms'])} | {' / '.join(f'{x:.0f}' for x in r['bwd_ms'])}"
+                   f" | {'yes' if r['order_1f1b'] else 'NO'} |")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- activation memory
+
+
+class StorageMeter:
+    """Like pipeline.ActivationMeter (which counts numel * element_size per save, so a tensor saved by
+    two ops counts twice), plus the deduplicated figure: bytes of distinct storages kept alive by saves."""
+
+    def __init__(self, module: torch.nn.Module):
+        from .parallel.pipeline import ActivationMeter
+        self.inner = ActivationMeter(module)
+        self.refs: dict[int, list] = {}  # storage ptr -> [count, nbytes]
+        self.live = self.peak = 0
+
+    def _release(self, ptr: int) -> None:
+        ref = self.refs[ptr]
+        ref[0] -= 1
+        if ref[0] == 0:
+            self.live -= ref[1]
+            del self.refs[ptr]
+
+    def pack(self, t: torch.Tensor):
+        holder = self.inner.pack(t)
+        if holder is t:  # a parameter
+            return t
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr in self.refs:
+            self.refs[ptr][0] += 1
+        else:
+            self.refs[ptr] = [1, st.nbytes()]
+            self.live += st.nbytes()
+            self.peak = max(self.peak, self.live)
+        weakref.finalize(holder, self._release, ptr)
+        return holder
+
+    def hooks(self):
+        from .parallel.pipeline import ActivationMeter
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, ActivationMeter.unpack)
+
+
+def _memory_cfg(pp: int, seq: int, extra: list[str] = ()):
+    from .config import load_config
+    return load_config(str(ROOT / CONFIG), [f"parallel.pp={pp}", f"train.seq_len={seq}", *extra])
+
+
+def stage_peaks(pp: int, m: int, mbs: int, seq: int, schedule: str) -> list[dict]:
+    """Peak saved-activation bytes of every stage running `schedule`'s order for m micro-batches, one
+    process. Stage s's inputs come from stages < s run without grad (what it would receive)."""
+    from .models.registry import build_model
+    from .parallel.pipeline import SCHEDULES, PipelineStage, stage_layers
+    cfg = _memory_cfg(pp, seq)
+    model = build_model(cfg.model, cfg.run.seed)
+    layers = stage_layers(cfg, seq)
+    stages = [PipelineStage(model, layers[s], s == 0, s == pp - 1) for s in range(pp)]
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, cfg.model.vocab_size, (mbs, seq + 1), generator=g) for _ in range(m)]
+    out = []
+    for s, stage in enumerate(stages):
+        inputs = []
+        with torch.no_grad():
+            for b in batches:
+                carried = None
+                for prev in stages[:s]:
+                    carried, _ = prev(carried, b[:, :-1])
+                inputs.append(carried)
+        meter = StorageMeter(stage)
+        saved = {}
+        for kind, i in SCHEDULES[schedule](s, pp, m):
+            x, y = batches[i][:, :-1], batches[i][:, 1:]
+            if kind == "F":
+                carried = inputs[i].clone().requires_grad_() if inputs[i] is not None else None
+                with meter.hooks():
+                    res, aux = stage(carried, x, y if stage.last else None)
+                saved[i] = res.loss if stage.last else (res, aux)
+            else:
+                held = saved.pop(i)
+                if stage.last:
+                    held.backward()
+                else:
+                    res, aux = held
+                    surrogate = (res * torch.ones_like(res)).sum() + (aux if aux is not None else 0.0)
+                    surrogate.backward()
+        stage.zero_grad(set_to_none=True)
+        out.append({"stage": s, "layers": layers[s], "peak_saved": meter.inner.peak, "peak_storage": meter.peak,
+                    "leak": meter.inner.live})
+    return out
+
+
+def bench_memory(pp: int, m: int, mbs: int, seq: int) -> list[dict]:
+    one = stage_peaks(pp, 1, mbs, seq, "1f1b")  # one micro-batch in flight: the unit
+    g = stage_peaks(pp, m, mbs, seq, "gpipe")
+    f = stage_peaks(pp, m, mbs, seq, "1f1b")
+    rows = []
+    for s in range(pp):
+        rows.append({"stage": s, "layers": g[s]["layers"], "one_mb": one[s]["peak_saved"],
+                     "gpipe": g[s]["peak_saved"], "1f1b": f[s]["peak_saved"],
+                     "gpipe_storage": g[s]["peak_storage"], "1f1b_storage": f[s]["peak_storage"],
+                     "expect_gpipe": m, "expect_1f1b": min(pp - s, m)})
+    print(json.dumps(rows), flush=True)
+    return rows
+
+
+def memory_table(rows: list[dict]) -> str:
+    mib = 2 ** 20
+    out = ["| stage | layers | 1 micro-batch MiB | GPipe peak MiB (x one) | 1F1B peak MiB (x one) | "
+           "1F1B / GPipe | expected in flight G / 1F1B | distinct storages MiB G / 1F1B |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['stage']} | {','.join(map(str, r['layers']))} | {r['one_mb'] / mib:.1f} | "
+                   f"{r['gpipe'] / mib:.1f} ({r['gpipe'] / r['one_mb']:.2f}) | "
+                   f"{r['1f1b'] / mib:.1f} ({r['1f1b'] / r['one_mb']:.2f}) | {r['1f1b'] / r['gpipe']:.2f} | "
+                   f"{r['expect_gpipe']} / {r['expect_1f1b']} | "
+                   f"{r['gpipe_storage'] / mib:.1f} / {r['1f1b_storage'] / mib:.1f} |")
+    return "\n".join(out)
+
+
+def real_gpipe(pp: int, m: int, mbs: int, tmp: Path) -> dict:
+    """The trainer with parallel.schedule=gpipe: which order did it execute?"""
+    from .pipeline_trace import executed_order, peak_in_flight_measured
+    from .parallel.pipeline import gpipe, one_f_one_b
+    r = run_trainer(pp, m, mbs, tmp / f"pp{pp}_m{m}_gpipe", schedule="gpipe")
+    ev = r["trace"]["events"]
+    res = {"pp": pp, "m": m, "executed_gpipe": all(executed_order(s) == gpipe(i, pp, m) for i, s in enumerate(ev)),
+           "executed_1f1b": all(executed_order(s) == one_f_one_b(i, pp, m) for i, s in enumerate(ev)),
+           "peak_in_flight": [peak_in_flight_measured(s) for s in ev], "measured_bubble": r["trace"]["measured_bubble"]}
+    print(json.dumps(res), flush=True)
+    return res
+
+
+# ----------------------------------------------------------------------------- recomputation
+
+
+def _recompute_model(mode: str, seq: int):
+    from .models.registry import build_model
+    from .parallel.recompute import apply_recompute
+    cfg = _memory_cfg(1, seq, [f"parallel.recompute={mode}"])
+    return cfg, apply_recompute(build_model(cfg.model, cfg.run.seed), mode)
+
+
+def peak_bytes(mode: str, mbs: int, seq: int) -> tuple[int, int]:
+    """(peak saved bytes as ActivationMeter counts them, distinct storages) of one micro-batch's
+    forward + backward on the whole model under `mode`."""
+    cfg, model = _recompute_model(mode, seq)
+    x = torch.randint(0, cfg.model.vocab_size, (mbs, seq + 1), generator=torch.Generator().manual_seed(0))
+    meter = StorageMeter(model)
+    with meter.hooks():
+        loss = model(x[:, :-1], x[:, 1:]).loss
+    loss.backward()
+    return meter.inner.peak, meter.peak
+
+
+def layer_working_set(seq: int) -> int:
+    """Saved bytes of the largest decoder layer for one sequence without recomputation: what full
+    recomputation rebuilds in backward, one layer at a time. ActivationMeter cannot see it (the
+    checkpoint's own saved-tensor hooks take precedence inside the layer), so it is measured here
+    per layer and added for the `full (+ working set)` row."""
+    cfg, model = _recompute_model("none", seq)
+    per_layer = []
+    for layer in model.layers.values():
+        meter = StorageMeter(layer)
+        fwd = layer.forward
+
+        def run(*args, _fwd=fwd, _meter=meter, **kw):
+            with _meter.hooks():
+                return _fwd(*args, **kw)
+        layer.forward = run
+        per_layer.append(meter)
+    x = torch.randint(0, cfg.model.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(0))
+    model(x[:, :-1], x[:, 1:]).loss.backward()
+    return max(m.inner.peak for m in per_layer)
+
+
+def largest_fit(mode: str, budget: int, seq: int, limit: int, extra_per_seq: int = 0) -> tuple[int, int]:
+    """Largest micro-batch (a search over integers, saved bytes grow linearly with it) whose peak
+    saved bytes (+ extra_per_seq per sequence) fit `budget`; returns (micro-batch, its peak bytes)."""
+    def cost(b: int) -> int:
+        return peak_bytes(mode, b, seq)[0] + b * extra_per_seq
+    per1, per2 = cost(1), cost(2)
+    slope, base = per2 - per1, 2 * per1 - per2
+    b = max(1, min(limit, int((budget - base) // max(1, slope))))
+    while True:  # verify the prediction by measuring
+        p = cost(b)
+        if p <= budget or b == 1:
+            break
+        b -= 1
+    while b < limit:
+        q = cost(b + 1)
+        if q > budget:
+            break
+        b, p = b + 1, q
+    return b, p
+
+
+def train_tokens_per_s(mode: str, mbs: int, seq: int, steps: int) -> dict:
+    cfg, model = _recompute_model(mode, seq)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    times = []
+    for _ in range(steps):
+        x = torch.randint(0, cfg.model.vocab_size, (mbs, seq + 1), generator=g)
+        t0 = time.perf_counter()
+        loss = model(x[:, :-1], x[:, 1:]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    step = statistics.median(times[1:] if len(times) > 1 else times)
+    return {"step_s": step, "tokens_per_s": mbs * seq / step}
+
+
+def bench_recompute(budget_mbs: int, seq: int, steps: int, limit: int) -> tuple[list[dict], int]:
+    budget = peak_bytes("none", budget_mbs, seq)[0]  # `none` fits exactly budget_mbs sequences
+    rows = []
+    ws = layer_working_set(seq)
+    for mode, extra in (("none", 0), ("selective", 0), ("full", 0), ("full", ws)):
+        b, p = largest_fit(mode, budget, seq, limit, extra)
+        per_seq = peak_bytes(mode, 1, seq)[0] + extra
+        t = train_tokens_per_s(mode, b, seq, steps)
+        same = t if mode == "none" else None if extra else train_tokens_per_s(mode, budget_mbs, seq, steps)
+        row = {"mode": mode + (" (+ working set)" if extra else ""), "per_seq": per_seq, "mbs": b, "peak": p,
+               "tokens_per_s": t["tokens_per_s"], "step_s": t["step_s"],
+               "tokens_per_s_at_budget_mbs": same and same["tokens_per_s"], "working_set_per_seq": extra}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows, budget
+
+
+def recompute_table(rows: list[dict], budget: int, budget_mbs: int, seq: int) -> str:
+    mib = 2 ** 20
+    base = rows[0]["tokens_per_s"]
+    out = [f"Budget: {budget / mib:.1f} MiB of saved activations (= `none` at micro-batch {budget_mbs} x {seq} "
+           "tokens).", "",
+           f"| recompute | saved MiB per sequence | largest micro-batch in budget | its peak MiB | step s | "
+           f"tokens/s | vs none | tokens/s at micro-batch {budget_mbs} |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['mode']} | {r['per_seq'] / mib:.2f} | {r['mbs']} | {r['peak'] / mib:.1f} | "
+                   f"{r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f}x | "
+                   + (f"{r['tokens_per_s_at_budget_mbs']:.0f} |" if r["tokens_per_s_at_budget_mbs"] else "= full |"))
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="bubble,memory,recompute")
+    ap.add_argument("--pps", default="2,4")
+    ap.add_argument("--ms", default="1,4,8,16")
+    ap.add_argument("--mbs", type=int, default=4, help="micro-batch of the trainer runs (bubble part)")
+    ap.add_argument("--mem-pp", type=int, default=4)
+    ap.add_argument("--mem-m", type=int, default=8)
+    ap.add_argument("--mem-mbs", type=int, default=2)
+    ap.add_argument("--mem-seq", type=int, default=128)
+    ap.add_argument("--real-gpipe", action="store_true", help="also run the trainer with parallel.schedule=gpipe")
+    ap.add_argument("--seq", type=int, default=512, help="sequence length of the recompute part")
+    ap.add_argument("--budget-mbs", type=int, default=4, help="the budget = `none`'s saved bytes at this batch")
+    ap.add_argument("--max-mbs", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=4, help="training steps per recompute measurement")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the in-process parts")
+    ap.add_argument("--out", default="", help="write every row as JSON here")
+    ap.add_argument("--timeline", default="", help="copy the largest-pp m=8 trace PNG here")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    parts = a.parts.split(",")
+    result: dict = {"threads": a.threads}
+    t_all = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_pp_") as tmp:
+        tmp = Path(tmp)
+        if "bubble" in parts:
+            t0 = time.perf_counter()
+            rows = bench_bubble([int(x) for x in a.pps.split(",")], [int(x) for x in a.ms.split(",")], a.mbs, tmp,
+                                Path(a.timeline) if a.timeline else None)
+            result["bubble"] = [{k: v for k, v in r.items() if k != "run_dir"} for r in rows]
+            print(f"\n## Bubble ({time.perf_counter() - t0:.0f} s)\n\n{bubble_table(rows)}\n", flush=True)
+        if "memory" in parts:
+            t0 = time.perf_counter()
+            rows = bench_memory(a.mem_pp, a.mem_m, a.mem_mbs, a.mem_seq)
+            result["memory"] = rows
+            print(f"\n## Activation memory, pp {a.mem_pp}, m {a.mem_m}, micro-batch {a.mem_mbs} x {a.mem_seq} "
+                  f"({time.perf_counter() - t0:.0f} s)\n\n{memory_table(rows)}\n", flush=True)
+            if a.real_gpipe:
+                g = result["real_gpipe"] = real_gpipe(a.mem_pp, a.mem_m, a.mbs, tmp)
+                print(f"trainer with parallel.schedule=gpipe, pp {g['pp']} m {g['m']}: executed "
+                      f"{'GPipe' if g['executed_gpipe'] else '1F1B' if g['executed_1f1b'] else 'another'} order, "
+                      f"peak in flight per stage {g['peak_in_flight']}\n", flush=True)
+        if "recompute" in parts:
+            t0 = time.perf_counter()
+            rows, budget = bench_recompute(a.budget_mbs, a.seq, a.steps, a.max_mbs)
+            result["recompute"] = {"budget": budget, "rows": rows}
+            print(f"\n## Recompute ({time.perf_counter() - t0:.0f} s)\n\n"
+                  f"{recompute_table(rows, budget, a.budget_mbs, a.seq)}\n", flush=True)
+    result["total_s"] = time.perf_counter() - t_all
+    print(f"total {result['total_s']:.0f} s", flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Pipeline parallelism: bubble measured vs theory (the trainer under the deepspeed launcher, pp 2 and 4,
+# m = 1, 4, 8, 16), activation memory per stage under GPipe order vs 1F1B, and the largest micro-batch in a
+# fixed activation budget with recompute none/selective/full and its tokens/s. Prints markdown tables
+# (see docs/BENCHMARKS_pp.md).
+# Usage: scripts/bench_pp.sh [--parts bubble,memory,recompute] [--pps 2,4] [--ms 1,4,8,16] [--real-gpipe]
+#                            [--seq 512] [--budget-mbs 4] [--out JSON] [--timeline PNG]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
+  export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec .venv/bin/python -m moe_trainer.bench_pp "$@"
