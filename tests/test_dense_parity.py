@@ -68,3 +68,13 @@ def test_dense_exact_resume_with_tensor_parallel(tmp_path):
     wb = load_file(str(resumed / "checkpoints" / "step_10" / "model-pp0.safetensors"))
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-6, atol=1e-7, msg=k)
+    # resharding: the tp 2 checkpoint continues on one rank and on cp 2
+    for world, layout in ((1, []), (2, ["parallel.cp=2"])):
+        other = tmp_path / f"reshard{world}"
+        base = [o for o in steps if o != "parallel.tp=2"]
+        check(launch(world, other, base + layout + [f"train.resume={straight / 'checkpoints' / 'step_5'}"],
+                     config=CONFIG, launcher="python" if world == 1 else "deepspeed"))
+        c = train_losses(other)
+        assert sorted(c) == list(range(6, 11))
+        for s in c:
+            assert abs(a[s] - c[s]) <= 1e-5 * abs(a[s]), (world, s, a[s], c[s])

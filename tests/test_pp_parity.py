@@ -17,6 +17,8 @@ CASES = {
     "pp2_ep2": (4, ["parallel.pp=2", "parallel.ep=2"], []),
     # stages 0 and 1 hold only dense layers (no MoE state there)
     "pp4_dense_stages": (4, ["parallel.pp=4", "parallel.pp_partition=[1, 1, 1, 1]"], FOUR_LAYERS),
+    # DeepSeek-V3's 3D layout in small: pipeline x data parallel with EP inside each stage's dp ranks
+    "pp2_dp4_ep2": (8, ["parallel.pp=2", "parallel.ep=2"], []),
 }
 
 
