@@ -40,8 +40,8 @@ def overrides(world: int, dtype: str, steps: int, out_dir: str, dedup: bool) -> 
 def _init(world: int):
     import torch
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    import deepspeed
-    deepspeed.init_distributed()
+    from moe_trainer.parallel.launch import init_distributed
+    init_distributed(300)  # and unlink DeepSpeed's /dev/shm segment
 
 
 def _summary(times: list[dict], world: int) -> dict:

@@ -58,7 +58,6 @@ def _worker(rank, world, port, config, overrides, out_dir, steps, results):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    import deepspeed
     import deepspeed.comm as ds_comm
     from moe_trainer import plan
     from moe_trainer.config import load_config, validate_layout
@@ -69,7 +68,8 @@ def _worker(rank, world, port, config, overrides, out_dir, steps, results):
     zero.deepspeed_config = functools.partial(zero.deepspeed_config, comms_logger=True)
     cfg = load_config(config, list(overrides) + [f"run.out_dir={out_dir}"])
     layout = validate_layout(cfg, world)
-    deepspeed.init_distributed(dist_backend="gloo")
+    from moe_trainer.parallel.launch import init_distributed
+    init_distributed(300)  # and unlink DeepSpeed's /dev/shm segment
     mesh = build_mesh(layout, rank)
     device = torch.device("cpu")
     trainer = Trainer(cfg, mesh, device)

@@ -27,7 +27,7 @@ def matmul_flops_per_token(cfg: ModelConfig) -> dict[str, float]:
     only; MLA counts its real projection shapes; the embedding lookup is free
     and the output head is counted once (plus once per MTP depth).
     """
-    d, h = cfg.hidden_size, cfg.num_attention_heads
+    d = cfg.hidden_size
     parts = {"attention": 0.0, "dense_ffn": 0.0, "moe": 0.0, "head": 2.0 * d * cfg.vocab_size, "mtp": 0.0}
     attn = attention_proj_params(cfg)
     ffn_dense = 3 * d * cfg.intermediate_size

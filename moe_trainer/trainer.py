@@ -8,7 +8,6 @@ update from globally summed counts -> metrics -> eval -> checkpoint.
 from __future__ import annotations
 
 import math
-import os
 import signal
 import sys
 import time
@@ -206,7 +205,7 @@ class Trainer:
                   f"({self._nan_skips} in a row, train.max_nan_skips={limit})", file=sys.stderr, flush=True)
         if self._nan_skips > limit:
             self.step -= self._nan_skips  # the weights are those after the last good step
-            path = checkpoint.save(self)
+            checkpoint.save(self)
             raise TrainingHalted(f"stopped at step {self.step + self._nan_skips}: {self._nan_skips} non-finite "
                                  f"losses in a row (train.max_nan_skips={limit}); the last good state is "
                                  f"checkpoint step_{self.step}.")

@@ -10,10 +10,8 @@ CommCounter on each rank equals `plan.alltoall_bytes_exact` for that rank:
     sent[dispatch_grad] == dispatch_recv     sent[combine_grad]      == combine_recv
 (the backward of an all-to-all is the reverse all-to-all), with and without dedup.
 """
-import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -154,7 +152,6 @@ def trainer_in_rank(rank, world, port, overrides, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
-    import deepspeed
     from moe_trainer.config import load_config, validate_layout
     from moe_trainer.parallel.mesh import build_mesh
     from moe_trainer.trainer import Trainer
@@ -162,7 +159,8 @@ def trainer_in_rank(rank, world, port, overrides, out_dir):
     cfg.data.path = str(ROOT / cfg.data.path) if cfg.data.path and not os.path.isabs(cfg.data.path) \
         else cfg.data.path
     layout = validate_layout(cfg, world)
-    deepspeed.init_distributed(dist_backend="gloo")
+    from moe_trainer.parallel.launch import init_distributed
+    init_distributed(300)  # and unlink DeepSpeed's /dev/shm segment
     mesh = build_mesh(layout, rank)
     return Trainer(cfg, mesh, torch.device("cpu"))
 

@@ -1,8 +1,5 @@
 """Continuing a Hugging Face checkpoint: train.init_from loads transformers'
 weights, and the first training loss is transformers' own loss on that batch."""
-import subprocess
-import sys
-
 import torch
 import torch.nn.functional as F
 import yaml
@@ -11,7 +8,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from moe_trainer.data import open_data
 from moe_trainer.hf import hf_config_to_model_config
 
-from conftest import ROOT, check, env, launch, train_losses
+from conftest import check, launch, train_losses
 
 
 def _hf_model(tmp_path):
