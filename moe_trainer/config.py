@@ -130,7 +130,6 @@ class DataConfig:
 class MetricsConfig:
     peak_tflops: Optional[float] = None  # per rank; None = measured (CPU) or datasheet (GPU)
     tensorboard: bool = True
-    expert_load_every: int = 0  # 0 = every log step
     noise_scale_alpha: float = 0.05  # EMA weight of the gradient-noise-scale estimate (critical batch size)
 
 
