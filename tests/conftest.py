@@ -31,6 +31,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_ranks(fn, world: int, *args) -> dict:
+    """Run fn(rank, world, port, *args, results) on `world` spawned processes;
+    returns what the ranks stored in `results` (a shared dict keyed by rank)."""
+    import torch.multiprocessing as mp
+    results = mp.Manager().dict()
+    mp.spawn(fn, args=(world, free_port(), *args, results), nprocs=world, join=True)
+    return dict(results)
+
+
 def env() -> dict:
     e = dict(os.environ)
     e.setdefault("DS_ACCELERATOR", "cpu")

@@ -17,14 +17,13 @@ import textwrap
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moe_trainer import plan
 from moe_trainer.moe.layer import MoE
 from moe_trainer.parallel.comm import CommCounter
 from moe_trainer.parallel.expert import AllToAllDispatcher, shard_experts
 
-from conftest import ROOT, TINY, VENV_BIN, check, env, free_port, read_metrics
+from conftest import ROOT, TINY, VENV_BIN, check, env, free_port, read_metrics, spawn_ranks
 
 E, K, D, H = 8, 2, 16, 8
 KINDS = ("dispatch", "combine", "dispatch_grad", "combine_grad")
@@ -111,22 +110,16 @@ def _layer_worker(rank, world, port, dedup, routing_mode, dtype_name, results):
     dist.destroy_process_group()
 
 
-def _spawn(fn, world, *args):
-    results = mp.Manager().dict()
-    mp.spawn(fn, args=(world, free_port(), *args, results), nprocs=world, join=True)
-    return dict(results)
-
-
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("dedup", [False, True])
 def test_dispatcher_bytes_equal_planner_and_layer_equals_single_rank(world, dedup):
-    res = _spawn(_layer_worker, world, dedup, "free", "float32")
+    res = spawn_ranks(_layer_worker, world, dedup, "free", "float32")
     assert all(not r["errors"] for r in res.values()), {k: r["errors"] for k, r in res.items()}
     assert sum(r["sent"]["dispatch"] for r in res.values()) > 0
 
 
 def test_dedup_bytes_bf16_equal_planner():
-    res = _spawn(_layer_worker, 2, True, "free", "bfloat16")
+    res = spawn_ranks(_layer_worker, 2, True, "free", "bfloat16")
     assert all(not r["errors"] for r in res.values()), {k: r["errors"] for k, r in res.items()}
 
 
@@ -134,8 +127,8 @@ def test_dedup_bytes_bf16_equal_planner():
 def test_dedup_sends_fewer_bytes_for_node_limited_routing(world):
     """Each token picks one group = one EP rank, so dedup sends at most one row per token (k without);
     the router and inputs are identical in both runs, so the routing is too."""
-    plain = _spawn(_layer_worker, world, False, "node_limited", "float32")
-    dedup = _spawn(_layer_worker, world, True, "node_limited", "float32")
+    plain = spawn_ranks(_layer_worker, world, False, "node_limited", "float32")
+    dedup = spawn_ranks(_layer_worker, world, True, "node_limited", "float32")
     for res in (plain, dedup):
         assert all(not r["errors"] for r in res.values()), {k: r["errors"] for k, r in res.items()}
     total_plain = sum(r["sent"]["dispatch"] for r in plain.values())
@@ -207,7 +200,7 @@ def test_trainer_step_bytes_equal_planner(tmp_path, dedup):
     """The Trainer's per-step CommCounter record (what it logs as comm.*_sent_bytes) equals the planner's
     exact bytes for the routing of every MoE layer and micro-batch of that step."""
     overrides = ["parallel.ep=2", f"parallel.dedup_dispatch={str(dedup).lower()}"]
-    res = _spawn(_trainer_worker, 2, overrides, str(tmp_path / "run"))
+    res = spawn_ranks(_trainer_worker, 2, overrides, str(tmp_path / "run"))
     assert all(not r["errors"] for r in res.values()), {k: r["errors"] for k, r in res.items()}
     for r in res.values():
         for got, want, forwards in r["steps"]:

@@ -6,7 +6,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moe_trainer.config import Layout
 from moe_trainer.moe.layer import MoE
@@ -14,7 +13,7 @@ from moe_trainer.parallel.comm import CommCounter
 from moe_trainer.parallel.expert import AllToAllDispatcher, shard_experts
 from moe_trainer.parallel.mesh import group_ranks
 
-from conftest import free_port
+from conftest import spawn_ranks
 
 E, K, D, H = 8, 2, 16, 8
 
@@ -81,27 +80,21 @@ def _expert_grad_worker(rank, world, port, results):
     dist.destroy_process_group()
 
 
-def _spawn(fn, world, *args):
-    results = mp.Manager().dict()
-    mp.spawn(fn, args=(world, free_port(), *args, results), nprocs=world, join=True)
-    return dict(results)
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_to_all_layer_equals_single_rank(world):
-    res = _spawn(_worker, world, False)
+    res = spawn_ranks(_worker, world, False)
     assert all(r["grads_finite"] for r in res.values())
     assert all(r["sent"] > 0 for r in res.values())
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_gradients_equal_single_process(world):
-    res = _spawn(_expert_grad_worker, world)
+    res = spawn_ranks(_expert_grad_worker, world)
     assert all(res.values()), res
 
 
 def test_every_token_to_one_rank_no_hang_and_zero_grads_elsewhere():
-    res = _spawn(_worker, 2, True)
+    res = spawn_ranks(_worker, 2, True)
     assert not res[0]["zero_grads"]  # rank 0 owns every chosen expert
     assert res[1]["zero_grads"]  # rank 1's experts got no tokens: zero (not missing) gradients
 
