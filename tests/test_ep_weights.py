@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from moe_trainer.moe.layer import MoE
 
-from conftest import ROOT
-from test_ep_accounting import _spawn, trainer_in_rank
+from conftest import ROOT, spawn_ranks
+from test_ep_accounting import trainer_in_rank
 
 STEPS = 3
 
@@ -94,12 +94,12 @@ def _weights_worker(rank, world, port, remove_marker, out_dir, results):
 
 
 def test_expert_weights_synchronised_only_within_expert_data_parallel_group(tmp_path):
-    res = _spawn(_weights_worker, 4, False, str(tmp_path / "ok"))
+    res = spawn_ranks(_weights_worker, 4, False, str(tmp_path / "ok"))
     assert res["has_moe_layers"]
     assert res["violations"] == []
 
 
 def test_negative_control_experts_treated_as_dense_is_caught(tmp_path):
-    res = _spawn(_weights_worker, 4, True, str(tmp_path / "dense"))
+    res = spawn_ranks(_weights_worker, 4, True, str(tmp_path / "dense"))
     assert not res["has_moe_layers"]
     assert any(v.startswith("different experts equal") for v in res["violations"]), res["violations"]
