@@ -112,7 +112,8 @@ def worker_autoep(a) -> None:
           "train_batch_size": GLOBAL_BATCH, "gradient_clipping": t.grad_clip, "zero_optimization": {"stage": 1},
           "bf16": {"enabled": a.dtype == "bf16"}, "steps_per_print": 1 << 30,
           "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.adam_eps,
-                                                    "weight_decay": t.weight_decay, "torch_adam": True}},
+                                                    "weight_decay": t.weight_decay, "torch_adam": True,
+                                                    "fused": True}},  # the same AdamW as ours
           "expert_parallel": {"enabled": True, "autoep_size": world, "preset_model": "deepseek_v3"}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     _, train_data, _ = open_data(cfg.data.path, t.seq_len, cfg.run.seed, cfg.model.vocab_size, cfg.data.val_fraction)

@@ -23,9 +23,10 @@ def deepspeed_config(cfg: Config, layout: Layout, comms_logger: bool = False) ->
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": 1},
         "bf16": {"enabled": t.dtype == "bf16"},
-        # torch's AdamW: no JIT-built fused op, same maths on every accelerator
+        # torch's AdamW, fused: one pass over the flat fp32 partition (CPU and CUDA kernels in
+        # torch), no JIT-built DeepSpeed op; the unfused loop took 4x longer on a CPU rank
         "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.adam_eps,
-                                                  "weight_decay": t.weight_decay, "torch_adam": True}},
+                                                  "weight_decay": t.weight_decay, "torch_adam": True, "fused": True}},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
         "seed": cfg.run.seed,
