@@ -57,6 +57,7 @@ def worker_ours(a) -> None:
 
     from . import plan
     from .config import load_config, validate_layout
+    from .parallel.launch import keep_freed_memory
     from .parallel.mesh import build_mesh
     from .trainer import Trainer
 
@@ -64,6 +65,8 @@ def worker_ours(a) -> None:
     cfg = load_config(CONFIG, overrides(world, a.dtype, a.steps, a.run_dir, a.dedup))
     layout = validate_layout(cfg, world)
     _init(world)
+    if cfg.train.keep_freed_memory:  # as moe_trainer.train does on CPU ranks
+        keep_freed_memory()
     rank = int(os.environ.get("RANK", "0"))
     trainer = Trainer(cfg, build_mesh(layout, rank), torch.device("cpu"))
     times, sent = [], []

@@ -134,6 +134,9 @@ def _build(impl: str, dtype, n_group: int, topk_group: int):
 
 def worker(impl: str, dtype_name: str, args) -> dict:
     import torch
+    if args.keep_freed:  # the allocator setting our trainer uses on CPU ranks, for every implementation alike
+        from moe_trainer.parallel.launch import keep_freed_memory
+        keep_freed_memory()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
@@ -210,6 +213,8 @@ def main(argv=None):
     ap.add_argument("--n-group", type=int, default=1)
     ap.add_argument("--topk-group", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per run")
+    ap.add_argument("--no-keep-freed", dest="keep_freed", action="store_false",
+                    help="leave glibc's default of unmapping large freed blocks (train.keep_freed_memory=false)")
     ap.add_argument("--out", default="docs/BENCHMARKS_moe.md")
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from .parallel.launch import init_distributed
+    from .parallel.launch import init_distributed, keep_freed_memory
     from .parallel.mesh import build_mesh
     from .trainer import Trainer, TrainingHalted
 
@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     accel.set_device(local_rank)
     device = torch.device(accel.device_name(local_rank))
     _set_threads(device.type)
+    if device.type == "cpu" and cfg.train.keep_freed_memory:
+        keep_freed_memory()
     init_distributed(cfg.parallel.timeout_s)
     rank = int(os.environ["RANK"])
     mesh = build_mesh(layout, rank)
