@@ -41,8 +41,11 @@ def keep_freed_memory() -> bool:
     page faults to zero the same large buffers again (the optimizer's fp32
     copies, expert gradients): on a 2-core machine that was a third of a bf16
     step. With mmap off for the main arena and trimming only above 2 GB, freed
-    blocks are reused, as tcmalloc or jemalloc would. Returns False (and
-    changes nothing) where the C library is not glibc.
+    blocks are reused, as tcmalloc or jemalloc would. The price is some
+    fragmentation: the heap grows for the first few steps and peak RSS was
+    5-20% higher on moe_bench (tests/test_cpu_memory.py checks that it stops
+    growing). Returns False (and changes nothing) where the C library is not
+    glibc.
     """
     import ctypes
     import ctypes.util
