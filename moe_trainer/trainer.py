@@ -104,9 +104,12 @@ class Trainer:
         self.engine = build_engine(self.model, cfg, self.layout, mpu=DeepSpeedMPU(mesh))
         self.executor = self._build_executor() if self.pipelined else None
         # the critical batch size: per-micro-batch gradient norms vs the reduced one
-        self.micro_norms = MicroGradNorms(self.engine.module, unscale=self.layout.grad_accum,
-                                          count_replicated=mesh.index("tp") == 0)
-        self.reduced_norm = ReducedGradNorm(self.engine)
+        # (one micro-batch per optimizer step has nothing to compare: no hooks then)
+        self.noise_batches = (t.micro_batch_size * t.seq_len / self.layout.cp, t.global_batch_size * t.seq_len)
+        self.micro_norms = (MicroGradNorms(self.engine.module, unscale=self.layout.grad_accum,
+                                           count_replicated=mesh.index("tp") == 0)
+                            if self.noise_batches[1] > self.noise_batches[0] else None)
+        self.reduced_norm = ReducedGradNorm(self.engine) if self.micro_norms is not None else None
         self.noise = NoiseScale(alpha=cfg.metrics.noise_scale_alpha)
         # every MoE layer of the model (global ids); this stage owns some rows
         self.moe_layer_ids = all_moe_layer_ids(cfg.model)
@@ -278,7 +281,8 @@ class Trainer:
         """McCandlish's simple estimate from the mean squared micro-batch gradient
         norm (B_small = one micro-batch) and the reduced gradient's (B_big = the
         global batch); expert-parallel experts are left out of both."""
-        t = self.cfg.train
+        if self.micro_norms is None:
+            return
         small = self.micro_norms.take(self.layout.grad_accum).to(self.device)
         if self.mesh.group("mp") is not None:  # partial norms of tp shards and pp stages add up
             dist.all_reduce(small, group=self.mesh.group("mp"))
