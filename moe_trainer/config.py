@@ -120,6 +120,9 @@ class ParallelConfig:
     schedule: str = "1f1b"  # pipeline order: 1f1b | gpipe (the reference, m micro-batches in flight)
     pp_partition: Optional[list] = None  # layers per stage, e.g. [2, 3]; None = balanced
     timeout_s: int = 300  # collective timeout: a dead rank ends the job
+    # expert placement plan (tools/expert_load.py plan): none | <plan JSON> | auto (<run.out_dir>/
+    # expert_placement.json when it exists at start or resume, written by `expert_load.py plan --apply`)
+    expert_placement: str = "auto"
 
 
 @dataclass
@@ -313,6 +316,8 @@ def validate(cfg: Config) -> None:
              f"train.seq_len ({t.seq_len}) must be divisible by 2 * parallel.cp ({2 * p.cp}).")
     _require(m.num_hidden_layers >= p.pp,
              f"model.num_hidden_layers ({m.num_hidden_layers}) must be at least parallel.pp ({p.pp}).")
+    _require(p.expert_placement.strip() != "",
+             "parallel.expert_placement must be none, auto or the path of a plan JSON, got an empty string.")
     if p.pp_partition is not None:
         _require(len(p.pp_partition) == p.pp and all(isinstance(n, int) and n >= 1 for n in p.pp_partition)
                  and sum(p.pp_partition) == m.num_hidden_layers,

@@ -16,6 +16,8 @@ Command line (`tools/expert_load.py`, see `--help`):
     expert_load.py RUN_DIR --out DIR [--step N]     imbalance report + plots
     expert_load.py plan --load FILE|RUN_DIR --replicas R --groups G --nodes N
                    --gpus P --out plan.json          redundant-expert placement
+                   [--apply RUN_DIR]                 ... also RUN_DIR/expert_placement.json,
+                                                     which the run uses at its next start or resume
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import torch
 from torch import Tensor
 
 EXPERT_LOAD_DIR = "expert_load"
+PLACEMENT_FILE = "expert_placement.json"  # in a run directory: the plan parallel.expert_placement=auto uses
 _FILE_RE = re.compile(r"^step_(\d+)\.safetensors$")
 
 
@@ -332,7 +335,10 @@ def markdown_report(a: RunAnalysis, plots: Sequence[str] = ()) -> str:
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        tmp.write_bytes(data)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # a reader (a resuming run) never sees a half-written file
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -522,6 +528,11 @@ replicas stay on one node (P/N GPUs each). The plan starts from EPLB's greedy an
 it; per layer it is never worse than EPLB. plan.json holds phy2log (R logical ids per
 layer), max_over_mean (max GPU load / mean GPU load), eplb_max_over_mean, lower_bound and
 gap_to_lower_bound per layer.
+
+--apply RUN_DIR also writes the plan (atomically) to RUN_DIR/expert_placement.json: a run
+with parallel.expert_placement=auto (the default) places its experts by it at its next start
+or resume. Make the plan with --gpus = parallel.ep; delete the file (or set
+parallel.expert_placement=none) to go back to one copy of each expert.
 """
 
 
@@ -561,17 +572,30 @@ def _plan_main(argv: list[str]) -> int:
     ap.add_argument("--groups", type=int, default=1, help="G expert groups (model.n_group; default 1)")
     ap.add_argument("--nodes", type=int, default=1, help="N nodes (default 1)")
     ap.add_argument("--gpus", type=int, required=True, help="P GPUs holding experts (the EP size)")
-    ap.add_argument("--out", required=True, help="plan JSON to write")
+    ap.add_argument("--out", help="plan JSON to write (required unless --apply is given)")
+    ap.add_argument("--apply", metavar="RUN_DIR", help="also write RUN_DIR/expert_placement.json, which the run "
+                                                       "places its experts by at its next start or resume")
     args = ap.parse_args(argv)
+    if not args.out and not args.apply:
+        raise ExpertLoadError("plan needs --out FILE, --apply RUN_DIR or both.")
+    if args.apply and not Path(args.apply).is_dir():
+        raise ExpertLoadError(f"--apply: run directory {args.apply} does not exist.")
     load, layer_ids = load_for_plan(args.load, args.last)
     plan = make_plan(load, args.replicas, args.groups, args.nodes, args.gpus, layer_ids)
-    out = Path(args.out)
-    _make_out_dir(out.parent)
-    _atomic_write_bytes(out, dump_plan(plan).encode())
+    text = dump_plan(plan).encode()
+    targets = [Path(args.out)] if args.out else []
+    if args.apply:
+        targets.append(Path(args.apply) / PLACEMENT_FILE)
+    for out in targets:
+        _make_out_dir(out.parent)
+        _atomic_write_bytes(out, text)
     s = plan["summary"]
-    print(f"wrote {out}: {plan['layout']['policy']} placement of {load.shape[1]} experts on {args.gpus} GPUs; "
-          f"mean max/mean {s['mean_max_over_mean']:.4f} (EPLB {s['mean_eplb_max_over_mean']:.4f}, "
-          f"lower bound {s['mean_lower_bound']:.4f})")
+    print(f"wrote {', '.join(map(str, targets))}: {plan['layout']['policy']} placement of {load.shape[1]} experts "
+          f"on {args.gpus} GPUs; mean max/mean {s['mean_max_over_mean']:.4f} (EPLB "
+          f"{s['mean_eplb_max_over_mean']:.4f}, lower bound {s['mean_lower_bound']:.4f})")
+    if args.apply:
+        print(f"the run in {args.apply} places its experts by this plan at its next start or resume "
+              f"(parallel.expert_placement=auto)")
     for i, layer in enumerate(plan["layer_ids"]):
         print(f"  layer {layer}: max/mean {plan['max_over_mean'][i]:.4f}  EPLB {plan['eplb_max_over_mean'][i]:.4f}"
               f"  lower bound {plan['lower_bound'][i]:.4f}")

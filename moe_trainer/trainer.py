@@ -121,6 +121,7 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
         self.peak, self.peak_source = peak_tflops(cfg.metrics.peak_tflops, self.dtype, device)
         self._load_interval = torch.zeros(len(self.moe_layer_ids), cfg.model.n_routed_experts)
+        self._rank_load_interval = torch.zeros(len(self.moe_layer_ids), self.layout.ep)  # rows per EP rank
         self._stopping = False
         self._term = False
         self._nan_skips = 0
@@ -290,8 +291,8 @@ class Trainer:
             dist.all_reduce(small, group=self.mesh.group("dpcp"))
             small /= self.mesh.size("dpcp")
         big = self.reduced_norm.take()
-        b_small, b_big = t.micro_batch_size * t.seq_len / self.layout.cp, t.global_batch_size * t.seq_len
-        if big is not None and not skipped and b_big > b_small:
+        b_small, b_big = self.noise_batches
+        if big is not None and not skipped:
             self.noise.update(float(small), float(big), b_small, b_big)  # host sync
 
     def pipeline_step(self) -> dict:
@@ -336,11 +337,14 @@ class Trainer:
         so every replica of each bias moves identically."""
         if not self.moe_layer_ids:
             return None
-        n, e = len(self.moe_layer_ids), self.cfg.model.n_routed_experts
+        n, e, ep = len(self.moe_layer_ids), self.cfg.model.n_routed_experts, self.layout.ep
         counts = torch.zeros(n, e, device=self.device)  # rows of other stages stay 0 here
-        stats = torch.zeros(n, 5, dtype=torch.float64, device=self.device)
+        # MoE.stats[:5], then the rows this rank's experts computed in column 5 + its EP index: the
+        # dp x cp sum gives each EP rank's load (summed over expert-data-parallel replicas)
+        stats = torch.zeros(n, 5 + ep, dtype=torch.float64, device=self.device)
+        ep_rank = self.mesh.index("ep")
         for row, m in self.moe:
-            counts[row], stats[row] = m.tokens_per_expert, m.stats
+            counts[row], stats[row, :5], stats[row, 5 + ep_rank] = m.tokens_per_expert, m.stats[:5], m.stats[5]
         if self.mesh.group("dpcp") is not None:
             dist.all_reduce(counts, group=self.mesh.group("dpcp"))
             dist.all_reduce(stats, group=self.mesh.group("dpcp"))
@@ -353,7 +357,8 @@ class Trainer:
             dist.all_reduce(counts, group=self.mesh.group("pp"))
             dist.all_reduce(stats, group=self.mesh.group("pp"))
         self._load_interval += counts.cpu()
-        return {"counts": counts.cpu(), "stats": stats.cpu()}
+        self._rank_load_interval += stats[:, 5:].float().cpu()
+        return {"counts": counts.cpu(), "stats": stats[:, :5].cpu()}
 
     def biases(self) -> torch.Tensor:
         """(moe_layers, E) balancing biases, every stage's rows (collective under pp)."""
@@ -426,6 +431,12 @@ class Trainer:
         for i, layer_id in enumerate(self.moe_layer_ids):
             out[f"expert_layer{layer_id}.max_over_mean"] = float(stats["max_over_mean"][i])
             out[f"expert_layer{layer_id}.cv"] = float(stats["cv"][i])
+        if self.layout.ep > 1:  # measured: the most loaded EP rank over the mean (what a placement plan lowers)
+            ranks = imbalance_stats(self._rank_load_interval)["max_over_mean"]
+            out["expert.rank_max_over_mean"] = float(ranks.mean())
+            for i, layer_id in enumerate(self.moe_layer_ids):
+                out[f"expert_layer{layer_id}.rank_max_over_mean"] = float(ranks[i])
+        self._rank_load_interval.zero_()
         if self.sink:
             write_expert_load(self.out_dir, self.step, load, bias=bias, layer_ids=self.moe_layer_ids)
             for i, layer_id in enumerate(self.moe_layer_ids):

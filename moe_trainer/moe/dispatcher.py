@@ -22,6 +22,10 @@ class Dispatched:
     counts: list[int]  # rows per local expert (host ints)
     ctx: Any  # what combine() needs
     dropped: int = 0  # routed copies dropped by a capacity limit
+    load: Optional[int] = None  # (token, expert) rows this rank's experts compute; None = every kept copy
+    # the experts' parameters for these rows ({"gate_up_proj", "down_proj"} of the local slots) when
+    # they are not the experts module's own (a placement plan's replicas); None = the module's own
+    weights: Optional[dict] = None
 
 
 def sort_by_expert(topk_idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,10 @@
 """The DeepSeekMoE layer: route -> dispatch -> experts -> combine, plus shared experts.
 
 The dispatcher is swapped (local vs all-to-all) by parallel/expert.py; the
-experts module then holds only this rank's experts. Counters for the bias
+experts module then holds only this rank's experts. Under an expert placement
+plan the dispatcher also hands over the weights of this rank's physical slots
+(replicas of experts whose weights live elsewhere); the experts module then
+computes with those instead of its own parameters. Counters for the bias
 update and metrics are kept under no_grad; the bias itself moves once per
 optimizer step, outside forward.
 """
@@ -37,8 +40,9 @@ class MoE(nn.Module):
         self.router_z_loss_coef = router_z_loss_coef
         # counters since the last optimizer step (summed over micro-batches)
         self.register_buffer("tokens_per_expert", torch.zeros(n_experts), persistent=False)
-        # [seq_aux_loss sum, z_loss sum, forward calls, dropped copies, routed copies]
-        self.register_buffer("stats", torch.zeros(5, dtype=torch.float64), persistent=False)
+        # [seq_aux_loss sum, z_loss sum, forward calls, dropped copies, routed copies,
+        #  rows this rank's experts computed (its expert load under expert parallelism)]
+        self.register_buffer("stats", torch.zeros(6, dtype=torch.float64), persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """x (B, T, d) -> (output (B, T, d), weighted auxiliary loss or None)."""
@@ -46,14 +50,20 @@ class MoE(nn.Module):
         flat = x.reshape(b * t, d)
         routing = self.gate(flat)
         dispatched = self.dispatcher.dispatch(flat, routing.topk_idx, routing.topk_weight)
-        y = self.experts(dispatched.x, dispatched.counts, dispatched.gate)
+        y = self._run_experts(dispatched)
         out = self.dispatcher.combine(y, dispatched)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         aux = self._aux_loss(routing, b)
         if self.training:
-            self._count(routing, dispatched.dropped)
+            self._count(routing, dispatched)
         return out.view(b, t, d), aux
+
+    def _run_experts(self, d) -> torch.Tensor:
+        if d.weights is None:
+            return self.experts(d.x, d.counts, d.gate)
+        # the same expert maths with the weights of this rank's physical slots (a placement plan)
+        return torch.func.functional_call(self.experts, d.weights, (d.x, d.counts, d.gate))
 
     def _aux_loss(self, routing, batch: int) -> Optional[torch.Tensor]:
         aux = None
@@ -68,7 +78,8 @@ class MoE(nn.Module):
         return aux
 
     @torch.no_grad()
-    def _count(self, routing, dropped: int) -> None:
+    def _count(self, routing, dispatched) -> None:
+        dropped = dispatched.dropped
         self.tokens_per_expert += torch.bincount(routing.topk_idx.reshape(-1), minlength=self.n_experts).float()
         s = self.stats
         if self.seq_aux_loss_alpha > 0:
@@ -78,6 +89,7 @@ class MoE(nn.Module):
         s[2] += 1
         s[3] += dropped
         s[4] += routing.topk_idx.numel()
+        s[5] += dispatched.load if dispatched.load is not None else routing.topk_idx.numel() - dropped
 
     @torch.no_grad()
     def reset_counters(self) -> None:

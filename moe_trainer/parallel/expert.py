@@ -15,6 +15,26 @@ The receiver expands it to its local experts, applies the gates, sums the
 token's outputs and sends one row back. Rows that leave the rank are counted
 as "dispatch"/"combine" (what plan.alltoall_bytes_exact predicts, dedup=True);
 the metadata as "dispatch_meta".
+
+With an expert placement plan (`parallel.expert_placement`, replicas.py) each
+EP rank hosts S = R / ep physical slots of the plan, hot experts on several
+ranks. The canonical weights do not move (expert e stays on EP rank
+e // n_local, so ZeRO groups and checkpoints are those of the unplaced run):
+every forward, a rank fetches the weights of its slots' foreign experts from
+their home ranks with one all-to-all of stacked weight rows ("expert_weights",
+3 * moe_intermediate_size * hidden_size elements per expert), and backward
+sends their gradients home, where autograd sums them with the local replicas'.
+A token copy routed to expert e goes to e's replica on the sender's own rank
+if there is one, else round-robin over e's replicas; dispatch and combine
+(plain or dedup) then run over physical slots. A capacity still applies per
+logical expert. Gates, combine and the expert maths are unchanged, so the model
+computes what the unplaced model computes (up to float rounding). Cost per
+micro-batch and MoE layer: each rank receives its foreign experts' weights once
+(however many of their replicas it hosts) and sends as many gradient rows back,
+and holds its S slots' weights until backward.
+Token rows, dedup metadata and expert weights travel as ONE autograd node
+(`_AllToAllGroup`), so backward enters the collectives in the same order on
+every rank.
 """
 from __future__ import annotations
 
@@ -27,9 +47,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..moe.dispatcher import Dispatched, route_order
+from ..moe.experts import Experts
 from ..moe.layer import MoE
 from .comm import CommCounter, _exchange, all_to_all_rows
 from .mesh import Mesh
+from .replicas import LayerPlacement
 
 
 @dataclass
@@ -42,23 +64,21 @@ class _A2ACtx:
     n_tokens: int
 
 
-class _AllToAllPair(torch.autograd.Function):
-    """Rows and their metadata through two all-to-alls with the same splits, as ONE autograd node,
-    so every rank runs the two backward all-to-alls in the same order (two separate nodes could
-    become ready in a data-dependent order on different ranks and mismatch gloo's collectives)."""
+class _AllToAllGroup(torch.autograd.Function):
+    """Several tensors through all-to-alls, each with its own splits, as ONE autograd node, so every
+    rank runs the backward all-to-alls in the same order (separate nodes could become ready in a
+    data-dependent order on different ranks and mismatch gloo's collectives).
+    specs: one (out_splits, in_splits, kind) per tensor; backward counts kind + "_grad"."""
 
     @staticmethod
-    def forward(ctx, rows, meta, out_splits, in_splits, group, counter):
-        ctx.splits, ctx.group, ctx.counter = (out_splits, in_splits), group, counter
-        return (_exchange(rows, out_splits, in_splits, group, counter, "dispatch"),
-                _exchange(meta, out_splits, in_splits, group, counter, "dispatch_meta"))
+    def forward(ctx, specs, group, counter, *tensors):
+        ctx.specs, ctx.group, ctx.counter = specs, group, counter
+        return tuple(_exchange(t, out, inp, group, counter, kind) for t, (out, inp, kind) in zip(tensors, specs))
 
     @staticmethod
-    def backward(ctx, grad_rows, grad_meta):
-        out_splits, in_splits = ctx.splits
-        return (_exchange(grad_rows, in_splits, out_splits, ctx.group, ctx.counter, "dispatch_grad"),
-                _exchange(grad_meta, in_splits, out_splits, ctx.group, ctx.counter, "dispatch_meta_grad"),
-                None, None, None, None)
+    def backward(ctx, *grads):
+        return (None, None, None) + tuple(_exchange(g, inp, out, ctx.group, ctx.counter, kind + "_grad")
+                                          for g, (out, inp, kind) in zip(grads, ctx.specs))
 
 
 @dataclass
@@ -72,15 +92,22 @@ class _DedupCtx:
 
 
 class AllToAllDispatcher:
-    """Same interface as LocalDispatcher; experts receive rows grouped by local expert."""
+    """Same interface as LocalDispatcher; experts receive rows grouped by local expert, or by local
+    physical slot under a placement plan (then `experts`, the layer's experts module, is required:
+    its canonical weights are sent to the ranks that host replicas)."""
 
     def __init__(self, n_experts: int, ep: int, group, capacity_factor: Optional[float] = None,
-                 counter: Optional[CommCounter] = None, dedup: bool = False):
+                 counter: Optional[CommCounter] = None, dedup: bool = False,
+                 placement: Optional[LayerPlacement] = None, experts: Optional[Experts] = None):
         self.n_experts, self.ep, self.group = n_experts, ep, group
-        self.n_local = n_experts // ep
+        self.placement, self.experts = placement, experts
+        # destinations per rank: experts, or the plan's physical slots
+        self.n_local = placement.slots_per_rank if placement is not None else n_experts // ep
         self.capacity_factor = capacity_factor
         self.counter = counter
         self.dedup = dedup
+        if placement is not None and experts is None:
+            raise ValueError("a placement needs the experts module whose weights it replicates")
 
     def _time(self, kind: str, t0: float) -> None:
         if self.counter is not None:
@@ -90,25 +117,71 @@ class AllToAllDispatcher:
         if self.dedup:
             return self._dispatch_dedup(x, topk_idx, topk_weight)
         n, k = topk_idx.shape
-        # a capacity, if set, applies per source rank
-        order, counts, dropped = route_order(topk_idx, self.n_experts, self.capacity_factor)
+        order, counts, dropped = self._route(topk_idx)
         token_of = order // k
-        # 1. exchange per-expert counts: recv[s, e] = rows rank s sends to my local expert e
+        # 1. exchange per-destination counts: recv[s, e] = rows rank s sends to my local expert (slot) e
         recv = torch.empty_like(counts)
         t0 = time.perf_counter()
         dist.all_to_all_single(recv, counts, group=self.group)
         send_counts, recv = counts.view(self.ep, self.n_local), recv.view(self.ep, self.n_local)
         in_splits, out_splits = send_counts.sum(1).tolist(), recv.sum(1).tolist()  # host sync
         self._time("dispatch_counts", t0)
-        # 2. send token copies (rows are expert-sorted, so each rank's rows are contiguous)
-        received = all_to_all_rows(x[token_of], out_splits, in_splits, self.group, self.counter, "dispatch")
+        # 2. send token copies (rows are destination-sorted, so each rank's rows are contiguous)
+        received, _, weights = self._send(x[token_of], out_splits, in_splits)
         # 3. regroup received rows (source-major) into local-expert-major order
         local_expert = torch.repeat_interleave(torch.arange(self.n_local, device=x.device).repeat(self.ep),
                                                recv.reshape(-1))
         regroup = torch.argsort(local_expert, stable=True)
         gate = topk_weight.reshape(-1)[order]
         ctx = _A2ACtx(token_of, gate, in_splits, out_splits, torch.argsort(regroup), n)
-        return Dispatched(received[regroup], None, recv.sum(0).tolist(), ctx, dropped)
+        return Dispatched(received[regroup], None, recv.sum(0).tolist(), ctx, dropped,
+                          load=sum(out_splits), weights=weights)
+
+    def _route(self, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Destination-sorted order of the kept routed copies, rows per destination (expert, or
+        physical slot under a plan), copies dropped. A capacity applies per logical expert, as
+        without a plan."""
+        order, counts, dropped = route_order(topk_idx, self.n_experts, self.capacity_factor)
+        if self.placement is None:
+            return order, counts, dropped
+        slot = self.placement.slots(topk_idx.reshape(-1))[order]
+        resort = torch.argsort(slot, stable=True)
+        return order[resort], torch.bincount(slot, minlength=self.ep * self.n_local), dropped
+
+    def _send(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+              meta: Optional[torch.Tensor] = None):
+        """Token rows (and dedup metadata) to their ranks; under a plan the weights of this rank's
+        slots travel in the same autograd node. Returns (rows, meta or None, slot weights or None)."""
+        if meta is None and self.placement is None:
+            return all_to_all_rows(rows, out_splits, in_splits, self.group, self.counter, "dispatch"), None, None
+        specs, tensors = [(out_splits, in_splits, "dispatch")], [rows]
+        if meta is not None:
+            specs.append((out_splits, in_splits, "dispatch_meta"))
+            tensors.append(meta)
+        p = self.placement
+        if p is not None:
+            specs.append((p.recv_splits, p.send_splits, "expert_weights"))
+            tensors.append(self._weight_rows())
+        out = list(_AllToAllGroup.apply(tuple(specs), self.group, self.counter, *tensors))
+        received = out.pop(0)
+        meta = out.pop(0) if meta is not None else None
+        return received, meta, self._slot_weights(out[0]) if p is not None else None
+
+    def _weight_rows(self) -> torch.Tensor:
+        """(sent experts, 3 * H * d): this rank's experts that other ranks' slots need, destination-major."""
+        w1, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        idx = self.placement.send_index.to(w1.device)
+        return torch.cat([w1[idx].flatten(1), w2[idx].flatten(1)], 1)
+
+    def _slot_weights(self, received: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Weights of this rank's S slots: rows of [local experts; fetched experts]. Backward sums the
+        gradients of an expert's replicas on this rank into its local or fetched row."""
+        w1, w2 = self.experts.gate_up_proj, self.experts.down_proj  # (n_local, 2H, d), (n_local, d, H)
+        m, split = received.shape[0], w1[0].numel()
+        r1 = received[:, :split].reshape((m,) + tuple(w1.shape[1:]))
+        r2 = received[:, split:].reshape((m,) + tuple(w2.shape[1:]))
+        idx = self.placement.slot_index.to(w1.device)
+        return {"gate_up_proj": torch.cat([w1, r1])[idx], "down_proj": torch.cat([w2, r2])[idx]}
 
     def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
         c = d.ctx
@@ -132,6 +205,9 @@ class AllToAllDispatcher:
             kept = torch.zeros(n * k, dtype=torch.bool, device=x.device)
             kept[order] = True
             idx = torch.where(kept.view(n, k), topk_idx, torch.full_like(topk_idx, -1))
+        if self.placement is not None:  # destinations are physical slots
+            slot = self.placement.slots(topk_idx.reshape(-1)).view(n, k)
+            idx = torch.where(idx >= 0, slot, torch.full_like(idx, -1))
         dest = torch.where(idx >= 0, idx // n_local, torch.full_like(idx, ep))  # ep: dropped copy
         # hit[t, r]: token t goes to EP rank r (once, whatever the number of its experts there)
         hit = torch.zeros(n, ep + 1, dtype=torch.bool, device=x.device)
@@ -149,7 +225,7 @@ class AllToAllDispatcher:
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         in_splits, out_splits = send_counts.tolist(), recv_counts.tolist()  # host sync
         self._time("dispatch_counts", t0)
-        received, rmeta = _AllToAllPair.apply(x[tokens], meta, out_splits, in_splits, self.group, self.counter)
+        received, rmeta, weights = self._send(x[tokens], out_splits, in_splits, meta)
         # expand: one (received row, local expert) pair per slot that names a local expert, expert-major
         r_gate, r_id = rmeta[:, :k], rmeta[:, k:].detach().long()
         pair_row, slot = (r_id >= 0).nonzero(as_tuple=True)
@@ -158,7 +234,8 @@ class AllToAllDispatcher:
         pair_row, slot, pair_expert = pair_row[sort], slot[sort], pair_expert[sort]
         counts = torch.bincount(pair_expert, minlength=n_local).tolist()  # host sync
         ctx = _DedupCtx(tokens, pair_row, in_splits, out_splits, received.shape[0], n)
-        return Dispatched(received[pair_row], r_gate[pair_row, slot], counts, ctx, dropped)
+        return Dispatched(received[pair_row], r_gate[pair_row, slot], counts, ctx, dropped,
+                          load=pair_row.numel(), weights=weights)
 
 
 def _deepspeed_moe_marker(num_experts: int, ep_size: int, group_name: str, mesh: Mesh) -> nn.Module:
@@ -204,17 +281,23 @@ def shard_experts(layer: MoE, ep_rank: int, ep: int) -> None:
 
 
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, counter: Optional[CommCounter] = None,
-                          dedup: bool = False) -> nn.Module:
+                          dedup: bool = False, placement: Optional[list[LayerPlacement]] = None) -> nn.Module:
+    """Shard the experts over the EP group and swap in all-to-all dispatchers; `placement`, if
+    given, holds one LayerPlacement per MoE layer of the whole model (global order)."""
     ep = mesh.layout.ep
     moe = [m for m in model.modules() if isinstance(m, MoE)]
     if ep == 1 or not moe:
         return model
+    if placement is not None and len(placement) != len(moe):
+        raise ValueError(f"the expert placement has {len(placement)} layers but the model has {len(moe)} "
+                         f"MoE layers.")
     group_name = f"ep_size_{ep}"
     ep_rank = mesh.index("ep")
-    for layer in moe:
+    for i, layer in enumerate(moe):
         shard_experts(layer, ep_rank, ep)
         layer.dispatcher = AllToAllDispatcher(layer.n_experts, ep, mesh.group("ep"),
-                                              layer.dispatcher.capacity_factor, counter, dedup)
+                                              layer.dispatcher.capacity_factor, counter, dedup,
+                                              placement[i] if placement is not None else None, layer.experts)
         for p in layer.experts.parameters():
             p.allreduce = False  # deepspeed.moe.utils.is_moe_param
             p.group_name = group_name
