@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..moe.dispatcher import Dispatched, route_order
+from ..moe.dispatcher import CombineRows, Dispatched, GatherRows, inverse_permutation, route_order
 from ..moe.experts import Experts
 from ..moe.layer import MoE
 from .comm import CommCounter, _exchange, all_to_all_rows
@@ -60,8 +60,11 @@ class _A2ACtx:
     gate: torch.Tensor  # (R,) gate of each copy, applied at the source on combine
     in_splits: list[int]  # rows sent to each EP rank
     out_splits: list[int]  # rows received from each EP rank
-    unsort: torch.Tensor  # received-order position of each expert-major row
+    unsort: torch.Tensor  # expert-major position of each received row (y[unsort]: back to received order)
     n_tokens: int
+    regroup: torch.Tensor  # received row of each expert-major row (the inverse of unsort)
+    by_row: Optional[torch.Tensor]  # (N * k,) sent rows of each token's copies; None when copies were dropped
+    k: int
 
 
 class _AllToAllGroup(torch.autograd.Function):
@@ -126,16 +129,22 @@ class AllToAllDispatcher:
         send_counts, recv = counts.view(self.ep, self.n_local), recv.view(self.ep, self.n_local)
         in_splits, out_splits = send_counts.sum(1).tolist(), recv.sum(1).tolist()  # host sync
         self._time("dispatch_counts", t0)
-        # 2. send token copies (rows are destination-sorted, so each rank's rows are contiguous)
-        received, _, weights = self._send(x[token_of], out_splits, in_splits)
+        # 2. send token copies (rows are destination-sorted, so each rank's rows are contiguous);
+        # gathers whose backward is a gather too (GatherRows), not an accumulating scatter
+        by_row = inverse = None
+        if order.numel() == n * k:  # dropless: each token's k copies, at sorted positions by_row
+            inverse = inverse_permutation(order)
+            by_row = inverse.view(n, k).sort(dim=1).values.view(-1)
+        received, _, weights = self._send(GatherRows.apply(x, token_of, by_row, k), out_splits, in_splits)
         # 3. regroup received rows (source-major) into local-expert-major order
         local_expert = torch.repeat_interleave(torch.arange(self.n_local, device=x.device).repeat(self.ep),
                                                recv.reshape(-1))
         regroup = torch.argsort(local_expert, stable=True)
-        gate = topk_weight.reshape(-1)[order]
-        ctx = _A2ACtx(token_of, gate, in_splits, out_splits, torch.argsort(regroup), n)
-        return Dispatched(received[regroup], None, recv.sum(0).tolist(), ctx, dropped,
-                          load=sum(out_splits), weights=weights)
+        unsort = inverse_permutation(regroup)
+        gate = GatherRows.apply(topk_weight.reshape(-1), order, inverse, 1)
+        ctx = _A2ACtx(token_of, gate, in_splits, out_splits, unsort, n, regroup, by_row, k)
+        return Dispatched(GatherRows.apply(received, regroup, unsort, 1), None, recv.sum(0).tolist(), ctx,
+                          dropped, load=sum(out_splits), weights=weights)
 
     def _route(self, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Destination-sorted order of the kept routed copies, rows per destination (expert, or
@@ -191,9 +200,9 @@ class AllToAllDispatcher:
             back = all_to_all_rows(rows, c.in_splits, c.out_splits, self.group, self.counter, "combine")
             out = back.new_zeros(c.n_tokens, back.shape[-1])
             return out.index_add_(0, c.tokens, back)
-        back = all_to_all_rows(y[c.unsort], c.in_splits, c.out_splits, self.group, self.counter, "combine")
-        out = back.new_zeros(c.n_tokens, back.shape[-1])
-        return out.index_add_(0, c.token_of, back * c.gate[:, None].to(back.dtype))
+        back = all_to_all_rows(GatherRows.apply(y, c.unsort, c.regroup, 1), c.in_splits, c.out_splits, self.group,
+                               self.counter, "combine")
+        return CombineRows.apply(back * c.gate[:, None].to(back.dtype), c.token_of, c.by_row, c.n_tokens, c.k)
 
     def _dispatch_dedup(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> Dispatched:
         n, k = topk_idx.shape
@@ -225,7 +234,9 @@ class AllToAllDispatcher:
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         in_splits, out_splits = send_counts.tolist(), recv_counts.tolist()  # host sync
         self._time("dispatch_counts", t0)
-        received, rmeta, weights = self._send(x[tokens], out_splits, in_splits, meta)
+        # (GatherRows: index_select forward, index_add_ backward; a tensor index's backward is an
+        # accumulating index_put, 15-25x slower on a CPU)
+        received, rmeta, weights = self._send(GatherRows.apply(x, tokens, None, 1), out_splits, in_splits, meta)
         # expand: one (received row, local expert) pair per slot that names a local expert, expert-major
         r_gate, r_id = rmeta[:, :k], rmeta[:, k:].detach().long()
         pair_row, slot = (r_id >= 0).nonzero(as_tuple=True)
@@ -234,8 +245,9 @@ class AllToAllDispatcher:
         pair_row, slot, pair_expert = pair_row[sort], slot[sort], pair_expert[sort]
         counts = torch.bincount(pair_expert, minlength=n_local).tolist()  # host sync
         ctx = _DedupCtx(tokens, pair_row, in_splits, out_splits, received.shape[0], n)
-        return Dispatched(received[pair_row], r_gate[pair_row, slot], counts, ctx, dropped,
-                          load=pair_row.numel(), weights=weights)
+        rows = GatherRows.apply(received, pair_row, None, 1)
+        gates = GatherRows.apply(r_gate.reshape(-1), pair_row * k + slot, None, 1)
+        return Dispatched(rows, gates, counts, ctx, dropped, load=pair_row.numel(), weights=weights)
 
 
 def _deepspeed_moe_marker(num_experts: int, ep_size: int, group_name: str, mesh: Mesh) -> nn.Module:
