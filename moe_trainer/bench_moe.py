@@ -13,6 +13,7 @@ plain torch.matmul roofline, and writes a markdown table (``--out``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -134,7 +135,7 @@ def _build(impl: str, dtype, n_group: int, topk_group: int):
 
 def worker(impl: str, dtype_name: str, args) -> dict:
     import torch
-    if args.keep_freed:  # the allocator setting our trainer uses on CPU ranks, for every implementation alike
+    if args.allocator == "keep_freed":  # our trainer's CPU setting, for every implementation alike
         from moe_trainer.parallel.launch import keep_freed_memory
         keep_freed_memory()
     torch.set_num_threads(args.threads)
@@ -213,8 +214,10 @@ def main(argv=None):
     ap.add_argument("--n-group", type=int, default=1)
     ap.add_argument("--topk-group", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per run")
-    ap.add_argument("--no-keep-freed", dest="keep_freed", action="store_false",
-                    help="leave glibc's default of unmapping large freed blocks (train.keep_freed_memory=false)")
+    ap.add_argument("--allocators", default="stock,keep_freed",
+                    help="process settings to run every implementation under: stock (glibc's default) and/or "
+                         "keep_freed (train.keep_freed_memory, what our trainer sets on CPU ranks)")
+    ap.add_argument("--allocator", default="stock", help=argparse.SUPPRESS)  # a child's setting
     ap.add_argument("--out", default="docs/BENCHMARKS_moe.md")
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -236,21 +239,22 @@ def main(argv=None):
     tokens = BATCH * SEQ
     fl = flops_per_iter(tokens)
     results = {}
-    for dt in args.dtypes.split(","):
-        for impl in args.impls.split(","):
-            r = _run_child(impl, dt, child_argv)
-            results[(impl, dt)] = r
-            if "error" in r:
-                print(f"{impl:14s} {dt}: ERROR {r['error']}", flush=True)
-                continue
-            r["tok_s"] = tokens / r["median_s"]
-            r["gflops"] = fl / r["median_s"] / 1e9
-            r["roof_frac"] = r["gflops"] / roof[dt]
-            print(f"{impl:14s} {dt}: {r['median_s']*1e3:8.1f} ms (min {r['min_s']*1e3:.1f})  {r['tok_s']:9.0f} tok/s  "
-                  f"{r['gflops']:7.1f} GFLOP/s  {100*r['roof_frac']:5.1f}% roof  peak RSS {r['peak_rss_mb']:.0f} MB "
-                  f"(+{r['peak_rss_mb']-r['rss_before_mb']:.0f} MB in fwd/bwd)", flush=True)
-            if r.get("profile"):
-                print(r["profile"], flush=True)
+    for alloc, dt, impl in itertools.product(args.allocators.split(","), args.dtypes.split(","),
+                                             args.impls.split(",")):
+        r = _run_child(impl, dt, child_argv + ["--allocator", alloc])
+        results[(alloc, impl, dt)] = r
+        if "error" in r:
+            print(f"{alloc:10s} {impl:14s} {dt}: ERROR {r['error']}", flush=True)
+            continue
+        r["tok_s"] = tokens / r["median_s"]
+        r["gflops"] = fl / r["median_s"] / 1e9
+        r["roof_frac"] = r["gflops"] / roof[dt]
+        print(f"{alloc:10s} {impl:14s} {dt}: {r['median_s']*1e3:8.1f} ms (min {r['min_s']*1e3:.1f})  "
+              f"{r['tok_s']:9.0f} tok/s  {r['gflops']:7.1f} GFLOP/s  {100*r['roof_frac']:5.1f}% roof  "
+              f"peak RSS {r['peak_rss_mb']:.0f} MB (+{r['peak_rss_mb']-r['rss_before_mb']:.0f} MB in fwd/bwd)",
+              flush=True)
+        if r.get("profile"):
+            print(r["profile"], flush=True)
     elapsed = time.time() - t_start
     write_md(args, raw, roof, results, fl, elapsed)
     print(f"wrote {args.out} ({elapsed:.0f} s)")
@@ -273,35 +277,47 @@ def write_md(args, raw, roof, results, fl, elapsed):
          f"fp32 {roof['fp32']:.1f} GFLOP/s {roof['fp32_shapes']}, bf16 {roof['bf16']:.1f} GFLOP/s {roof['bf16_shapes']}.", "",
          "Peak RSS = ru_maxrss of the subprocess that ran only that implementation and dtype "
          "(includes the python/torch/library imports); Δ = growth during warm-up + timed iterations.", "",
-         "| impl | dtype | median ms (min) | tokens/s | GFLOP/s | % roofline | peak RSS MB (Δ) | ours_grouped / this |",
-         "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for dt in args.dtypes.split(","):
-        ours = results.get(("ours_grouped", dt), {})
-        for impl in args.impls.split(","):
-            r = results[(impl, dt)]
-            if "error" in r:
-                L.append(f"| {LABELS[impl]} | {dt} | error: {r['error'].strip().splitlines()[-1][:120]} | | | | | |")
-                continue
-            ratio = f"{r['median_s'] / ours['median_s']:.2f}x" if "median_s" in ours else "n/a"
-            L.append(f"| {LABELS[impl]} | {dt} | {r['median_s']*1e3:.1f} ({r['min_s']*1e3:.1f}) | {r['tok_s']:.0f} | {r['gflops']:.1f} | "
-                     f"{100*r['roof_frac']:.1f}% | {r['peak_rss_mb']:.0f} (+{r['peak_rss_mb']-r['rss_before_mb']:.0f}) "
-                     f"| {ratio} |")
-    L += ["", "\"ours_grouped / this\" is the speed of ours relative to that row (time of that row / time of ours; "
+         "Each implementation runs under two process settings: **stock** (glibc's default malloc, which "
+         "unmaps every freed block above 32 MiB so the next iteration page-faults it in again: what a user's "
+         "own script gets) and **keep_freed** (`train.keep_freed_memory`, what our trainer sets on CPU ranks: "
+         "freed memory is reused). The layers are compared within one setting.", ""]
+    allocs = args.allocators.split(",")
+    for alloc in allocs:
+        L += [f"### {alloc}", "",
+              "| impl | dtype | median ms (min) | tokens/s | GFLOP/s | % roofline | peak RSS MB (Δ) | ours_grouped / this |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for dt in args.dtypes.split(","):
+            ours = results.get((alloc, "ours_grouped", dt), {})
+            for impl in args.impls.split(","):
+                r = results[(alloc, impl, dt)]
+                if "error" in r:
+                    L.append(f"| {LABELS[impl]} | {dt} | error: {r['error'].strip().splitlines()[-1][:120]} "
+                             "| | | | | |")
+                    continue
+                ratio = f"{r['median_s'] / ours['median_s']:.2f}x" if "median_s" in ours else "n/a"
+                L.append(f"| {LABELS[impl]} | {dt} | {r['median_s']*1e3:.1f} ({r['min_s']*1e3:.1f}) | {r['tok_s']:.0f} "
+                         f"| {r['gflops']:.1f} | {100*r['roof_frac']:.1f}% | {r['peak_rss_mb']:.0f} "
+                         f"(+{r['peak_rss_mb']-r['rss_before_mb']:.0f}) | {ratio} |")
+        L.append("")
+    L += ["\"ours_grouped / this\" is the speed of ours relative to that row (time of that row / time of ours; "
           ">1 means ours is faster).", "", "## Targets", ""]
-    for dt, tgt_ds, tgt_roof in (("bf16", 1.3, 0.65), ("fp32", 1.1, None)):
-        o, ds, hf = (results.get((k, dt), {}) for k in ("ours_grouped", "deepspeed", "hf_grouped_mm"))
-        if "median_s" not in o:
-            continue
-        line = f"- {dt}:"
-        if "median_s" in ds:
-            sp = ds["median_s"] / o["median_s"]
-            line += f" ours/DeepSpeed = {sp:.2f}x (target {tgt_ds}x: {'met' if sp >= tgt_ds else 'MISSED'})"
-        if "median_s" in hf:
-            line += f"; ours/transformers(grouped_mm) = {hf['median_s'] / o['median_s']:.2f}x"
-        if tgt_roof is not None:
-            line += (f"; {100*o['roof_frac']:.1f}% of roofline (target {100*tgt_roof:.0f}%: "
-                     f"{'met' if o['roof_frac'] >= tgt_roof else 'MISSED'})")
-        L.append(line + ".")
+    for alloc in allocs:
+        for dt, tgt_ds, tgt_roof in (("bf16", 1.3, 0.65), ("fp32", 1.1, None)):
+            o, ds, hf = (results.get((alloc, k, dt), {}) for k in ("ours_grouped", "deepspeed", "hf_grouped_mm"))
+            if "median_s" not in o:
+                continue
+            line = f"- {alloc}, {dt}:"
+            if "median_s" in ds:
+                sp = ds["median_s"] / o["median_s"]
+                line += f" ours/DeepSpeed = {sp:.2f}x (target {tgt_ds}x: {'met' if sp >= tgt_ds else 'MISSED'})"
+                line += (f"; peak RSS ours/DeepSpeed {o['peak_rss_mb']:.0f}/{ds['peak_rss_mb']:.0f} MB "
+                         f"({'met' if o['peak_rss_mb'] <= ds['peak_rss_mb'] else 'MISSED'})")
+            if "median_s" in hf:
+                line += f"; ours/transformers(grouped_mm) = {hf['median_s'] / o['median_s']:.2f}x"
+            if tgt_roof is not None:
+                line += (f"; {100*o['roof_frac']:.1f}% of roofline (target {100*tgt_roof:.0f}%: "
+                         f"{'met' if o['roof_frac'] >= tgt_roof else 'MISSED'})")
+            L.append(line + ".")
     L += ["", ""]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -35,10 +35,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/moe_bench.yaml"
-RUNS = ["ours1", "hf", "ours2"]
+RUNS = ["ours1", "hf", "hfk", "ours2"]
 LABELS = {"ours1": "ours, 1 rank (trainer, ZeRO-1)",
           "hf": "transformers DeepseekV3ForCausalLM + DeepSpeed ZeRO-1, 1 rank",
-          "ours2": "ours, 2 ranks (dp 2, ep 2), aggregate"}
+          "hfk": "the same transformers + DeepSpeed run with our allocator setting (keep_freed_memory)",
+          "ours2": "ours, 2 ranks (dp 2, ep 2, dedup dispatch), aggregate"}
 
 
 def _free_port() -> int:
@@ -67,7 +68,9 @@ def run_ours(ranks: int, dtype: str, args, tmp: Path) -> dict:
     sets = [f"train.dtype={dtype}", f"train.max_steps={args.steps}", f"run.out_dir={out}",
             "metrics.peak_tflops=1.0", "train.checkpoint_every=0"]  # peak: the bench's own roofline is used
     if ranks > 1:
-        sets += [f"parallel.ep={ranks}", f"train.global_batch_size={4 * ranks}"]
+        # same global batch (dp 2 halves each rank's accumulation); a token's hidden state crosses to
+        # the other rank once however many of its 6 experts live there (DeepSeek-V3's dedup)
+        sets += [f"parallel.ep={ranks}", "parallel.dedup_dispatch=true"]
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port",
            str(_free_port()), "--module", "moe_trainer.train", f"--config={CONFIG}"]
     for s in sets:
@@ -76,16 +79,17 @@ def run_ours(ranks: int, dtype: str, args, tmp: Path) -> dict:
     if p.returncode != 0:
         return {"error": (p.stderr or p.stdout)[-1500:]}
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
-    times = [r["step_time_s"] for r in recs if "step_time_s" in r and r["step"] > args.warmup]
+    timed = [r for r in recs if "step_time_s" in r and r["step"] > args.warmup]
     cfg = _cfg(dtype, args.steps)
-    tokens = cfg.train.micro_batch_size * ranks * cfg.train.seq_len
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len
     shutil.rmtree(out, ignore_errors=True)
-    return {"times": times, "tokens_per_step": tokens}
+    split = {k: statistics.median(r[f"time.{k}_s"] for r in timed) for k in ("forward", "backward", "optimizer")}
+    return {"times": [r["step_time_s"] for r in timed], "tokens_per_step": tokens, "split": split}
 
 
 # ----------------------------------------------------------------------------- transformers + DeepSpeed
 
-def worker_hf(dtype: str, args) -> dict:
+def worker_hf(dtype: str, args, keep_freed: bool = False) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -95,7 +99,10 @@ def worker_hf(dtype: str, args) -> dict:
     from moe_trainer.data import open_data
     from moe_trainer.hf import to_hf
     from moe_trainer.models.registry import build_model
+    from moe_trainer.parallel.launch import keep_freed_memory
     from moe_trainer.parallel.zero import deepspeed_config, param_groups
+    if keep_freed:
+        keep_freed_memory()
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1",
                  "LOCAL_RANK": "0"}.items():
         os.environ.setdefault(k, v)
@@ -128,8 +135,9 @@ def worker_hf(dtype: str, args) -> dict:
             "loss": float(loss)}
 
 
-def run_hf(dtype: str, args) -> dict:
-    cmd = [sys.executable, "-m", "moe_trainer.bench_train", "--_worker", f"hf:{dtype}", "--steps", str(args.steps),
+def run_hf(dtype: str, args, keep_freed: bool = False) -> dict:
+    cmd = [sys.executable, "-m", "moe_trainer.bench_train", "--_worker", f"{'hfk' if keep_freed else 'hf'}:{dtype}",
+           "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--hf-experts", args.hf_experts]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(args.threads), capture_output=True, text=True)
     for line in reversed(p.stdout.splitlines()):
@@ -152,8 +160,8 @@ def main(argv=None):
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._worker:
-        _, dt = args._worker.split(":")
-        print("RESULT " + json.dumps(worker_hf(dt, args)), flush=True)
+        kind, dt = args._worker.split(":")
+        print("RESULT " + json.dumps(worker_hf(dt, args, keep_freed=kind == "hfk")), flush=True)
         return
     import torch
     from moe_trainer.metrics import measure_matmul_tflops, train_flops_per_token
@@ -168,7 +176,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         for dt in dtypes:
             for run in args.runs.split(","):
-                r = (run_hf(dt, args) if run == "hf" else run_ours(int(run[-1]), dt, args, Path(tmp)))
+                r = (run_hf(dt, args, keep_freed=run == "hfk") if run.startswith("hf")
+                     else run_ours(int(run[-1]), dt, args, Path(tmp)))
                 results[(run, dt)] = r
                 if "error" in r or not r.get("times"):
                     print(f"{run} {dt}: ERROR {r.get('error', 'no timed steps')}", flush=True)
@@ -199,29 +208,34 @@ def write_md(args, raw, roof, fpt, results, elapsed):
          f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
          f"DeepSpeed {deepspeed.__version__}, transformers {transformers.__version__}, CPU only.", "",
          f"Model: `{CONFIG}` (hidden 512, MLA heads 8, q_lora 256, kv_lora 128; 1 dense + 3 MoE layers, 64 routed "
-         f"experts top-6 of hidden 256 + 2 shared; sequence 512; micro-batch 4 sequences = 2048 tokens per rank "
-         f"per step). Model FLOPs {fpt / 1e6:.1f} MFLOP per trained token (metrics.train_flops_per_token: "
+         "experts top-6 of hidden 256 + 2 shared; sequence 512; global batch 16 sequences = 8192 tokens per "
+         "optimizer step, micro-batch 4: 4 accumulated micro-batches on 1 rank, 2 per rank on 2 ranks). "
+         f"Model FLOPs {fpt / 1e6:.1f} MFLOP per trained token (metrics.train_flops_per_token: "
          f"activated experts only, causal attention, 3x forward).", "",
-         f"Roofline: best plain torch.matmul TFLOP/s on the model's projection shapes, all cores "
-         f"(metrics.measure_matmul_tflops): " + ", ".join(f"{k} {v:.3f}" for k, v in roof.items()) + ".", "",
+         "Roofline: best plain torch.matmul TFLOP/s on the model's projection shapes, all cores "
+         "(metrics.measure_matmul_tflops): " + ", ".join(f"{k} {v:.3f}" for k, v in roof.items()) + ".", "",
          f"transformers: experts_implementation={args.hf_experts}, attn_implementation=sdpa, weights from our "
          f"initial model via `hf.to_hf`, same DeepSpeed config (`parallel.zero.deepspeed_config`) and batches. "
          f"Timed: median step over {args.steps - args.warmup} steps after {args.warmup} warm-up steps "
          f"(min in brackets). MFU = tokens/s x FLOP/token / roofline (2 ranks: aggregate against the same "
          f"all-core roofline).", "",
-         "| run | dtype | step s median (min) | tokens/s (best) | MFU | ours / this |",
-         "|---|---|---:|---:|---:|---:|"]
+         "Split (ours): median seconds per optimizer step in forward / backward / optimizer, from the "
+         "trainer's metrics.jsonl `time.*_s`.", "",
+         "| run | dtype | step s median (min) | tokens/s (best) | MFU | ours / this | split fwd / bwd / opt s |",
+         "|---|---|---:|---:|---:|---:|---|"]
     for dt in args.dtypes.split(","):
         ours = results.get(("ours1", dt), {})
         for run in args.runs.split(","):
             r = results.get((run, dt), {})
             if "tok_s" not in r:
                 err = str(r.get("error", "no result")).strip().splitlines()
-                L.append(f"| {LABELS[run]} | {dt} | error: {(err[-1] if err else '')[:150]} | | | |")
+                L.append(f"| {LABELS[run]} | {dt} | error: {(err[-1] if err else '')[:150]} | | | | |")
                 continue
             ratio = f"{ours['tok_s'] / r['tok_s']:.2f}x" if "tok_s" in ours else "n/a"
+            split = " / ".join(f"{r['split'][k]:.3f}" for k in ("forward", "backward", "optimizer")) \
+                if "split" in r else ""
             L.append(f"| {LABELS[run]} | {dt} | {r['median_s']:.3f} ({r['min_s']:.3f}) | {r['tok_s']:.0f} "
-                     f"({r['best_tok_s']:.0f}) | {100 * r['mfu']:.1f}% | {ratio} |")
+                     f"({r['best_tok_s']:.0f}) | {100 * r['mfu']:.1f}% | {ratio} | {split} |")
     L += ["", "## Targets", ""]
     for dt in args.dtypes.split(","):
         o, hf, o2 = (results.get((k, dt), {}) for k in ("ours1", "hf", "ours2"))
