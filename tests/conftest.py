@@ -79,3 +79,31 @@ def train_losses(out_dir: Path) -> dict[int, float]:
 @pytest.fixture
 def tiny():
     return list(TINY)
+
+
+def ep_layer_parity_errors(layer, ref, out, ref_out, x, x_ref, rank: int, world: int, batch_per_rank: int,
+                           n_experts: int) -> list[str]:
+    """An expert-parallel MoE layer on this gloo rank against the single-rank `ref` that saw
+    every rank's tokens: this rank's outputs and input grads, its experts' grads (the
+    shard e in [rank * E/world, (rank+1) * E/world)), and the replicated parameters' grads
+    summed over ranks. One line per mismatch (fp32, 1e-5)."""
+    import torch
+    import torch.distributed as dist
+    sl = slice(batch_per_rank * rank, batch_per_rank * (rank + 1))  # this rank's sequences of the reference batch
+    lo, n = rank * (n_experts // world), n_experts // world
+    checks = {"output": (out, ref_out[sl]), "x.grad": (x.grad, x_ref.grad[sl])}
+    for name in ("gate_up_proj", "down_proj"):
+        checks[name] = (getattr(layer.experts, name).grad, getattr(ref.experts, name).grad[lo:lo + n])
+    ref_params = dict(ref.named_parameters())
+    for name, p in layer.named_parameters():  # replicated: each rank's grads cover its own tokens
+        if not name.startswith("experts."):
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            checks[name] = (g, ref_params[name].grad)
+    errors = []
+    for name, (a, b) in checks.items():
+        try:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        except AssertionError as e:
+            errors.append(f"{name}: {str(e)[:300]}")
+    return errors

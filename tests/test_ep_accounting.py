@@ -23,7 +23,7 @@ from moe_trainer.moe.layer import MoE
 from moe_trainer.parallel.comm import CommCounter
 from moe_trainer.parallel.expert import AllToAllDispatcher, shard_experts
 
-from conftest import ROOT, TINY, VENV_BIN, check, env, free_port, read_metrics, spawn_ranks
+from conftest import ROOT, TINY, VENV_BIN, check, env, ep_layer_parity_errors, free_port, read_metrics, spawn_ranks
 
 E, K, D, H = 8, 2, 16, 8
 KINDS = ("dispatch", "combine", "dispatch_grad", "combine_grad")
@@ -88,23 +88,7 @@ def _layer_worker(rank, world, port, dedup, routing_mode, dtype_name, results):
         errors.append(f"bytes: counted sent {got_sent} received {got_recv}; planned sent {sent} received {received}")
 
     if dtype == torch.float32:  # parity with the single-rank layer on all ranks' tokens
-        sl = slice(3 * rank, 3 * rank + 3)
-        tol = dict(rtol=1e-5, atol=1e-5)
-        checks = {"output": (out, ref_out[sl]), "x.grad": (x.grad, x_ref.grad[sl])}
-        lo, n = rank * (E // world), E // world
-        for name in ("gate_up_proj", "down_proj"):
-            checks[name] = (getattr(layer.experts, name).grad, getattr(ref.experts, name).grad[lo:lo + n])
-        # replicated parameters: each rank's grads cover its own tokens; their sum is the reference's
-        for name, p in layer.named_parameters():
-            if not name.startswith("experts."):
-                g = p.grad.clone()
-                dist.all_reduce(g)
-                checks[name] = (g, dict(ref.named_parameters())[name].grad)
-        for name, (a, b) in checks.items():
-            try:
-                torch.testing.assert_close(a, b, **tol)
-            except AssertionError as e:
-                errors.append(f"{name}: {str(e)[:300]}")
+        errors += ep_layer_parity_errors(layer, ref, out, ref_out, x, x_ref, rank, world, 3, E)
     results[rank] = {"errors": errors, "sent": got_sent, "n_routes": int(seen[0].numel()),
                      "rows_sent": got_sent["dispatch"] // (D * (torch.finfo(dtype).bits // 8))}
     dist.destroy_process_group()

@@ -20,14 +20,13 @@ from safetensors.torch import load_file, save_file
 from moe_trainer import expert_load
 from moe_trainer.config import load_config
 from moe_trainer.moe import placement as pl
-from moe_trainer.moe.layer import MoE
 from moe_trainer.parallel.comm import CommCounter
 from moe_trainer.parallel.expert import AllToAllDispatcher, shard_experts
 from moe_trainer.parallel.replicas import layer_placement, load_placement, read_plan
 
-from conftest import ROOT, TINY, check, env, launch, read_metrics, spawn_ranks, train_losses
-
-E, K, D, H = 8, 2, 16, 8
+from conftest import (ROOT, TINY, check, env, ep_layer_parity_errors, launch, read_metrics, spawn_ranks,
+                      train_losses)
+from test_expert_parallel import D, E, H, make_layer  # the same layer as the unplaced EP tests
 # R = E + 2 * ep slots on 2 GPUs; hot experts 0, 1, 4, 5 twice. Plan GPU 0 mostly holds experts
 # whose weights live on EP rank 1, so the relabeling swaps the GPUs; row B needs no swap.
 ROW_A = [4, 5, 6, 7, 0, 1, 0, 1, 2, 3, 4, 5]
@@ -107,15 +106,6 @@ def test_tool_apply_writes_the_run_dirs_plan(tmp_path, capsys):
 
 # ------------------------------------------------------------------ the placed dispatcher on gloo ranks
 
-def make_layer(seed=0):
-    torch.manual_seed(seed)
-    layer = MoE(D, E, K, H, n_shared_experts=1, n_group=2, topk_group=1, norm_topk_prob=True,
-                routed_scaling_factor=1.5)
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    return layer
-
-
 def _ep_layer(rank, world, placement, force, counter=None, dedup=False):
     layer = make_layer()
     if force:  # every token picks experts 0..3, whose weights all live on EP rank 0
@@ -163,22 +153,8 @@ def _placed_worker(rank, world, port, dedup, force, results):
     out.pow(2).sum().backward()
     loads_placed = _rank_loads(layer, world)
 
-    errors = []
-    sl = slice(3 * rank, 3 * rank + 3)
-    lo, n = rank * (E // world), E // world
-    checks = {"output": (out, ref_out[sl]), "x.grad": (x.grad, x_ref.grad[sl])}
-    for name in ("gate_up_proj", "down_proj"):  # the home rank's grads sum every replica's
-        checks[name] = (getattr(layer.experts, name).grad, getattr(ref.experts, name).grad[lo:lo + n])
-    for name, p in layer.named_parameters():
-        if not name.startswith("experts."):
-            g = p.grad.clone()
-            dist.all_reduce(g)
-            checks[name] = (g, dict(ref.named_parameters())[name].grad)
-    for name, (a, b) in checks.items():
-        try:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        except AssertionError as e:
-            errors.append(f"{name}: {str(e)[:300]}")
+    # (the home rank's expert grads sum every replica's)
+    errors = ep_layer_parity_errors(layer, ref, out, ref_out, x, x_ref, rank, world, 3, E)
     row_bytes = 3 * H * D * 4
     want = {"expert_weights": (sum(placement.send_splits) * row_bytes, sum(placement.recv_splits) * row_bytes),
             "expert_weights_grad": (sum(placement.recv_splits) * row_bytes, sum(placement.send_splits) * row_bytes)}

@@ -26,6 +26,7 @@ from ..config import Config
 from ..expert_load import PLACEMENT_FILE
 from ..moe.placement import PlacementError, check_plan, pick_replicas, relabel_gpus, replica_candidates
 
+
 def plan_path(cfg: Config) -> Optional[Path]:
     """The plan file this run uses, or None: `none`, a path, or `auto` (the run directory's
     expert_placement.json if it exists now, at start or resume)."""
