@@ -15,6 +15,7 @@ DeepSpeed AutoEP (ZeRO-1, torch AdamW from the DS config), the same batches.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -106,6 +107,9 @@ def worker_autoep(a) -> None:
     rank = int(os.environ.get("RANK", "0"))
     cfg = load_config(CONFIG, overrides(world, a.dtype, a.steps, a.run_dir, False))
     _init(world)
+    if a.keep_freed:  # the peer under our trainer's allocator setting, for a same-setting comparison
+        from .parallel.launch import keep_freed_memory
+        keep_freed_memory()
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(a.hf, dtype=dtype)
     model.train()
@@ -137,7 +141,8 @@ def worker_autoep(a) -> None:
         if step >= a.warmup:
             times.append({"step": dt, "compute": fb, "all_to_all": float("nan"), "rest": dt - fb})
     if rank == 0:
-        out = {"impl": "autoep", "dtype": a.dtype, "dedup": False, "ep": world, **_summary(times, world),
+        out = {"impl": "autoep + allocator" if a.keep_freed else "autoep", "dtype": a.dtype, "dedup": False,
+               "ep": world, **_summary(times, world),
                "bytes_per_token": float("nan"), "planned_bytes_per_token": float("nan")}
         Path(a.result).write_text(json.dumps(out))
     dist.barrier()
@@ -161,12 +166,12 @@ def _port() -> int:
 
 
 def run_one(impl: str, world: int, dtype: str, steps: int, warmup: int, tmp: Path, dedup: bool = False,
-            hf: str = "", timeout: int = 900) -> tuple[dict | None, str]:
-    tag = f"{impl}_w{world}_{dtype}{'_dedup' if dedup else ''}"
+            hf: str = "", timeout: int = 900, keep_freed: bool = False) -> tuple[dict | None, str]:
+    tag = f"{impl}_w{world}_{dtype}{'_dedup' if dedup else ''}{'_kf' if keep_freed else ''}"
     result = tmp / f"{tag}.json"
     args = ["--worker", impl, "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup),
             "--result", str(result), "--run-dir", str(tmp / tag)] + (["--dedup"] if dedup else []) + \
-        (["--hf", hf] if hf else [])
+        (["--hf", hf] if hf else []) + (["--keep-freed"] if keep_freed else [])
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(world), "--master_port", str(_port()),
            "--module", "moe_trainer.bench_ep", *args]
     env = _env()
@@ -217,6 +222,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", choices=["ours", "autoep"], help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--dedup", action="store_true")
+    ap.add_argument("--keep-freed", action="store_true", help=argparse.SUPPRESS)  # AutoEP worker: our allocator
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--result", default="")
@@ -245,18 +251,18 @@ def main(argv=None) -> int:
         peer_worlds = [int(w) for w in a.peer_worlds.split(",") if w]
         for dtype in dtypes:
             hf = export_hf(tmp, dtype) if peer_worlds else ""
-            for world in peer_worlds:
-                r, c = run_one("autoep", world, dtype, a.steps, a.warmup, tmp, hf=hf)
+            for world, kf in itertools.product(peer_worlds, (False, True)):
+                r, c = run_one("autoep", world, dtype, a.steps, a.warmup, tmp, hf=hf, keep_freed=kf)
                 cmds.append(c.replace(hf, "<to_hf export>"))
                 rows.append(r) if r else None
     md = table(rows)
     ratios = []
     for r in rows:
-        if r["impl"] == "autoep":
+        if r["impl"].startswith("autoep"):
             for o in rows:
                 if o["impl"] == "ours" and o["world"] == r["world"] and o["dtype"] == r["dtype"]:
                     ratios.append(f"- world {r['world']} {r['dtype']}: ours (dedup {'on' if o['dedup'] else 'off'}) "
-                                  f"/ AutoEP tokens/s = {o['tokens_per_s'] / r['tokens_per_s']:.2f}x")
+                                  f"/ {r['impl']} tokens/s = {o['tokens_per_s'] / r['tokens_per_s']:.2f}x")
     print(md)
     print("\n".join(ratios))
     if a.out:
