@@ -87,7 +87,6 @@ def test_counted_flops_match_the_models_matmuls():
     attention's batched matmuls and charges them the full T x T square."""
     from torch.utils.flop_counter import FlopCounterMode
     from moe_trainer.models.registry import build_model
-    aten = torch.ops.aten
     for cfg in (ModelConfig(**{**DSV3.__dict__, "moe_impl": "loop"}), LLAMA):
         model = build_model(cfg, 0).float()
         for name, mod in model.named_modules():  # a hooked shared expert runs as plain F.linear calls
