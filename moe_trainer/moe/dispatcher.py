@@ -119,6 +119,13 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     return inv
 
 
+def rows_by_token(inverse: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """(n * k,) the sorted rows holding each token's k copies, ascending per token: the
+    `inverse` map GatherRows / CombineRows sum over, so the sums over a token's copies add
+    in the same order as index_add_ / index_put_(accumulate=True) did (bitwise equal in fp32)."""
+    return inverse.view(n, k).sort(dim=1).values.view(-1)
+
+
 @dataclass
 class _LocalCtx:
     token_of: torch.Tensor  # (M,) source token of each sorted row (padding rows: token 0)
@@ -181,9 +188,7 @@ class LocalDispatcher:
                 pad_rows = None
         token_of = order // k
         gate = GatherRows.apply(topk_weight.reshape(-1), order, inverse, 1)
-        # each token's copies in sorted-row order: the sums over copies then add in the same
-        # order as index_add_ / index_put_(accumulate=True) did (bitwise equal in fp32)
-        by_row = inverse.view(n, k).sort(dim=1).values.view(-1)
+        by_row = rows_by_token(inverse, n, k)
         xs = GatherRows.apply(x, token_of, by_row, k, pad_rows)
         return Dispatched(xs, gate, counts, _LocalCtx(token_of, n, by_row, k), dropped)
 

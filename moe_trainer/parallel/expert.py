@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..moe.dispatcher import CombineRows, Dispatched, GatherRows, inverse_permutation, route_order
+from ..moe.dispatcher import CombineRows, Dispatched, GatherRows, inverse_permutation, route_order, rows_by_token
 from ..moe.experts import Experts
 from ..moe.layer import MoE
 from .comm import CommCounter, _exchange, all_to_all_rows
@@ -134,7 +134,7 @@ class AllToAllDispatcher:
         by_row = inverse = None
         if order.numel() == n * k:  # dropless: each token's k copies, at sorted positions by_row
             inverse = inverse_permutation(order)
-            by_row = inverse.view(n, k).sort(dim=1).values.view(-1)
+            by_row = rows_by_token(inverse, n, k)
         received, _, weights = self._send(GatherRows.apply(x, token_of, by_row, k), out_splits, in_splits)
         # 3. regroup received rows (source-major) into local-expert-major order
         local_expert = torch.repeat_interleave(torch.arange(self.n_local, device=x.device).repeat(self.ep),
