@@ -155,20 +155,22 @@ class GroupedSwiGLUExperts(torch.autograd.Function):
         out = x.new_empty(x.shape[0], w2.shape[1])
         w1t, w2t = w1.transpose(1, 2), w2.transpose(1, 2)
         blocks = expert_blocks(counts)
-        hs = []
+        hs, acts = [], []
         for e0, e1, r0, r1 in blocks:
             cs = counts[e0:e1]
             h = _gmm_block(x[r0:r1], w1t[e0:e1], cs, grouped)  # (rows, 2H)
             a = swiglu_forward(h, gate[r0:r1] if gate is not None else None, block=r1 - r0)
             _mm_rows(a, w2t, cs, e0, out[r0:r1])
             hs.append(h)
-        ctx.save_for_backward(w1, w2, gate, x, *hs)
+            acts.append(a)
+        ctx.save_for_backward(w1, w2, gate, x, *hs, *acts)
         ctx.counts, ctx.blocks, ctx.grouped = counts, blocks, grouped
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        w1, w2, gate, x, *hs = ctx.saved_tensors
+        w1, w2, gate, x, *saved = ctx.saved_tensors
+        hs, acts = saved[:len(ctx.blocks)], saved[len(ctx.blocks):]
         counts, grouped = ctx.counts, ctx.grouped
         need_x, need_w1, need_w2, need_gate = ctx.needs_input_grad[:4]
         need_gate = need_gate and gate is not None
@@ -187,7 +189,7 @@ class GroupedSwiGLUExperts(torch.autograd.Function):
                         w[covered:e0].zero_()
                 covered = e1
             if need_w2:
-                _wgrad_rows(dy_b, swiglu_forward(h, g_b, block=r1 - r0), cs, e0, dw2)  # (E, d, H)
+                _wgrad_rows(dy_b, acts[i], cs, e0, dw2)  # (E, d, H)
             da = _gmm_block(dy_b, w2[e0:e1], cs, grouped)  # (rows, H)
             dh, dg = swiglu_backward(da, h, g_b, need_gate, block=r1 - r0)
             del da
