@@ -144,3 +144,24 @@ def test_padded_dispatch_equals_unpadded(dtype, tol):
         results.append([out.float(), x.grad.float()] + [p.grad.float() for p in moe.parameters()])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=tol * max(1.0, b.abs().max().item()), rtol=tol)
+
+
+def test_fp32_logits_router_gemm():
+    """Router logits: fp32 forward whatever the dtype; the backward in the model's dtype equals
+    autograd's F.linear(x.float(), w.float()) exactly in fp32 and to bf16 rounding in bf16."""
+    from moe_trainer.moe.router import Fp32Logits
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 0.0), (torch.bfloat16, 2e-2)):
+        x0, w0 = torch.randn(64, 32).to(dtype), (torch.randn(16, 32) * 0.1).to(dtype)
+        g = torch.randn(64, 16)
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        out = Fp32Logits.apply(x, w)
+        out.backward(g)
+        xr, wr = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        ref = F.linear(xr.float(), wr.float())
+        ref.backward(g)
+        assert out.dtype == torch.float32 and torch.equal(out, ref)
+        assert x.grad.dtype == dtype and w.grad.dtype == dtype
+        for a, b in ((x.grad, xr.grad), (w.grad, wr.grad)):
+            err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+            assert err <= tol, (dtype, err)

@@ -34,6 +34,25 @@ def group_limited_mask(scores_for_choice: torch.Tensor, n_group: int, topk_group
     return group_mask.unsqueeze(-1).expand(n, n_group, e // n_group).reshape(n, e)
 
 
+class Fp32Logits(torch.autograd.Function):
+    """logits = x W^T computed in fp32 (routing decisions as precise as the reference's), with a
+    backward in the model's dtype: the gradients land in x's and W's dtype anyway, and on a CPU
+    a bf16 GEMM runs ~5x faster than an fp32 one. For fp32 models this is plain F.linear."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.to(x.dtype)
+        dx = g.mm(weight.to(x.dtype)) if ctx.needs_input_grad[0] else None
+        dw = g.t().mm(x).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
 class Router(nn.Module):
     """Gate with weight (E, d) and the aux-loss-free balancing bias (E,).
 
@@ -54,7 +73,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x (N, d) -> Routing. Computed in fp32 whatever the model dtype."""
-        logits = F.linear(x.float(), self.weight.float())  # (N, E)
+        logits = Fp32Logits.apply(x, self.weight)  # (N, E)
         scores = logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(-1)
         choice = scores.detach() + self.e_score_correction_bias  # bias: selection only
         if self.n_group > 1 and self.topk_group < self.n_group:

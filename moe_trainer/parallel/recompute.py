@@ -4,9 +4,8 @@ full:      every decoder layer (and MTP block) keeps only its input; the whole
            layer runs again in backward. Least memory, about one extra forward.
 selective: only the cheap, activation-heavy pieces are recomputed: every
            RMSNorm and the SwiGLU activations (dense FFN and shared experts).
-           The routed experts' SwiGLU needs no wrapper: the grouped experts
-           kernel already saves only its pre-activations and recomputes
-           silu(g) * u in backward.
+           The routed experts' kernel is left alone: it keeps its input,
+           pre-activation and SwiGLU output (full recomputation drops them).
 Recomputing an MoE layer must not count its tokens twice: the counters are
 saved before the re-run and put back after it.
 """
