@@ -1,0 +1,71 @@
+"""The fused CPU SwiGLU kernel (csrc/swiglu_cpu.cpp), built on first use and cached.
+
+Like DeepSpeed's CPU ops, it is compiled once per machine (~20 s, g++ and ninja via
+torch.utils.cpp_extension) into MOE_TRAINER_KERNEL_DIR (default
+~/.cache/moe_trainer/kernels), in a directory named by the source, torch version and
+CPU so that an edit, an upgrade or another machine type builds its own copy; later
+processes load it in milliseconds. `python -m moe_trainer.moe.cpu_kernels` builds it
+ahead of a job. MOE_TRAINER_CPU_KERNELS=0 turns it off; if the build fails, the
+torch-op path in experts.py runs instead, after one warning.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "swiglu_cpu.cpp"
+_CACHE: dict[str, Any] = {}
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [l for l in f if l.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "".join(lines)
+
+
+def build_dir() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_signature().encode()).hexdigest()
+    root = os.environ.get("MOE_TRAINER_KERNEL_DIR") or Path.home() / ".cache" / "moe_trainer" / "kernels"
+    return Path(root) / f"swiglu_cpu_{key[:16]}"
+
+
+def enabled() -> bool:
+    return os.environ.get("MOE_TRAINER_CPU_KERNELS", "1") != "0" and sys.platform.startswith("linux")
+
+
+def swiglu_ops() -> Optional[Any]:
+    """The extension module (swiglu_forward, swiglu_backward), or None when turned off or unbuildable."""
+    if "ops" in _CACHE:
+        return _CACHE["ops"]
+    ops = None
+    if enabled():
+        try:
+            from torch.utils.cpp_extension import load
+            d = build_dir()
+            d.mkdir(parents=True, exist_ok=True)
+            ops = load(name="moe_trainer_swiglu_cpu", sources=[str(SOURCE)], build_directory=str(d),
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                       verbose=False)
+        except Exception as e:  # no compiler, no ninja, an unknown -march: the torch-op path still works
+            warnings.warn(f"the fused CPU SwiGLU kernel could not be built ({type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); using torch ops.")
+            ops = None
+    _CACHE["ops"] = ops
+    return ops
+
+
+if __name__ == "__main__":
+    ops = swiglu_ops()
+    print(f"fused CPU SwiGLU kernel: {'ready in ' + str(build_dir()) if ops is not None else 'not available'}")
+    sys.exit(0 if ops is not None or not enabled() else 1)
