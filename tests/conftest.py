@@ -107,3 +107,11 @@ def ep_layer_parity_errors(layer, ref, out, ref_out, x, x_ref, rank: int, world:
         except AssertionError as e:
             errors.append(f"{name}: {str(e)[:300]}")
     return errors
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built():
+    """Build the fused CPU kernels once, before any test (the first build takes ~20 s; every later
+    process, spawned ranks included, loads the cached copy)."""
+    from moe_trainer import cpu_kernels
+    cpu_kernels.swiglu_ops()

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from moe_trainer.moe import cpu_kernels
+from moe_trainer import cpu_kernels
 from moe_trainer.moe import experts as ex
 
 
@@ -94,3 +94,19 @@ def test_grouped_experts_with_fused_kernel_equal_torch_ops(ops, monkeypatch, dty
         results.append([y, x.grad, w1.grad, w2.grad, gate.grad])
     for a, b in zip(*results):
         assert _rel(a, b) < tol
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+def test_dense_silu_mul_equals_autograd(ops, dtype, tol):
+    """SwiGLU.act on CPU (the fused SiluMul) against autograd's F.silu(g) * u in float64."""
+    from moe_trainer.models.layers import SiluMul, SwiGLU
+    gen = torch.Generator().manual_seed(2)
+    g0, u0, w = (torch.randn(3, 37, 24, generator=gen, dtype=torch.float64) * 2 for _ in range(3))
+    g, u = g0.to(dtype).requires_grad_(), u0.to(dtype).requires_grad_()
+    out = SwiGLU.act(g, u)
+    assert out.grad_fn is not None and type(out.grad_fn).__name__.startswith(SiluMul.__name__)
+    (out * w.to(dtype)).sum().backward()
+    g64, u64 = g.detach().double().requires_grad_(), u.detach().double().requires_grad_()
+    ref = torch.nn.functional.silu(g64) * u64
+    (ref * w).sum().backward()
+    assert _rel(out, ref) < tol and _rel(g.grad, g64.grad) < tol and _rel(u.grad, u64.grad) < tol

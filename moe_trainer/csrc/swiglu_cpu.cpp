@@ -1,6 +1,7 @@
-// Fused SwiGLU for the routed experts on CPU: one pass over the pre-activation instead of
-// torch's three (forward) or seven (backward) elementwise passes. Built on first use by
-// moe_trainer/moe/cpu_kernels.py; the torch-op path in experts.py is the reference.
+// Fused SwiGLU on CPU, for the routed experts ([g | u] rows with a gate per row) and the dense
+// FFNs (separate g and u): one pass instead of torch's three (forward) or seven (backward)
+// elementwise passes. Built on first use by moe_trainer/cpu_kernels.py; the torch-op paths in
+// moe/experts.py and models/layers.py are the references.
 //
 //   forward:  a = silu(g) * u * gate                      for h = [g | u], a row per routed copy
 //   backward: du = da * gate * silu(g)
@@ -60,12 +61,14 @@ template <> struct IO<c10::BFloat16> {
 
 constexpr int64_t kGrainRows = 64;
 
+// Row r of g / u / da / out / dg / du starts at p + r * stride (elements): [g | u] rows of the
+// routed experts' pre-activation (stride 2H, u = g + H) or separate (M, H) tensors (stride H).
 template <typename T>
-void forward_rows(const T* h, const float* gate, T* a, int64_t rows, int64_t hid) {
+void forward_rows(const T* g0, const T* u0, int64_t in_stride, const float* gate, T* a, int64_t rows, int64_t hid) {
   at::parallel_for(0, rows, kGrainRows, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const T* g = h + r * 2 * hid;
-      const T* u = g + hid;
+      const T* g = g0 + r * in_stride;
+      const T* u = u0 + r * in_stride;
       T* out = a + r * hid;
       const float gt = gate ? gate[r] : 1.0f;
 #pragma omp simd
@@ -79,14 +82,15 @@ void forward_rows(const T* h, const float* gate, T* a, int64_t rows, int64_t hid
 }
 
 template <typename T>
-void backward_rows(const T* da, const T* h, const float* gate, T* dh, float* dgate, int64_t rows, int64_t hid) {
+void backward_rows(const T* da, const T* g0, const T* u0, int64_t in_stride, const float* gate, T* dg0, T* du0,
+                   float* dgate, int64_t rows, int64_t hid) {
   at::parallel_for(0, rows, kGrainRows, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const T* g = h + r * 2 * hid;
-      const T* u = g + hid;
+      const T* g = g0 + r * in_stride;
+      const T* u = u0 + r * in_stride;
       const T* d = da + r * hid;
-      T* dg = dh + r * 2 * hid;
-      T* du = dg + hid;
+      T* dg = dg0 + r * in_stride;
+      T* du = du0 + r * in_stride;
       const float gt = gate ? gate[r] : 1.0f;
       float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
@@ -104,58 +108,96 @@ void backward_rows(const T* da, const T* h, const float* gate, T* dh, float* dga
   });
 }
 
-void check(const torch::Tensor& h, const c10::optional<torch::Tensor>& gate) {
-  TORCH_CHECK(h.device().is_cpu() && h.dim() == 2 && h.is_contiguous() && h.size(1) % 2 == 0,
-              "swiglu_cpu: h must be a contiguous (M, 2H) CPU tensor");
-  TORCH_CHECK(h.scalar_type() == torch::kFloat || h.scalar_type() == torch::kBFloat16,
+void check_dtype(const torch::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() == 2, "swiglu_cpu: contiguous 2-D CPU tensors only");
+  TORCH_CHECK(t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16,
               "swiglu_cpu: float32 or bfloat16 only");
-  TORCH_CHECK(!gate.has_value() || (gate->dim() == 1 && gate->size(0) == h.size(0)),
-              "swiglu_cpu: gate must be (M,)");
 }
 
+const float* gate_ptr(const c10::optional<torch::Tensor>& gate, int64_t rows, torch::Tensor& keep) {
+  if (!gate.has_value()) return nullptr;
+  TORCH_CHECK(gate->dim() == 1 && gate->size(0) == rows, "swiglu_cpu: gate must be (M,)");
+  keep = gate->to(torch::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
+template <typename F>
+void on_dtype(const torch::Tensor& t, F&& f) {
+  if (t.scalar_type() == torch::kBFloat16) f(c10::BFloat16{});
+  else f(float{});
+}
+
+// h = [g | u] (M, 2H) -> a = silu(g) * u * gate (M, H)
 torch::Tensor swiglu_forward(torch::Tensor h, c10::optional<torch::Tensor> gate) {
-  check(h, gate);
+  check_dtype(h);
+  TORCH_CHECK(h.size(1) % 2 == 0, "swiglu_cpu: h must be (M, 2H)");
   const int64_t rows = h.size(0), hid = h.size(1) / 2;
   auto a = torch::empty({rows, hid}, h.options());
-  torch::Tensor g32;
-  const float* gp = nullptr;
-  if (gate.has_value()) {
-    g32 = gate->to(torch::kFloat).contiguous();
-    gp = g32.data_ptr<float>();
-  }
-  if (h.scalar_type() == torch::kBFloat16)
-    forward_rows(h.data_ptr<c10::BFloat16>(), gp, a.data_ptr<c10::BFloat16>(), rows, hid);
-  else
-    forward_rows(h.data_ptr<float>(), gp, a.data_ptr<float>(), rows, hid);
+  torch::Tensor keep;
+  const float* gp = gate_ptr(gate, rows, keep);
+  on_dtype(h, [&](auto tag) {
+    using T = decltype(tag);
+    const T* hp = h.data_ptr<T>();
+    forward_rows(hp, hp + hid, 2 * hid, gp, a.data_ptr<T>(), rows, hid);
+  });
   return a;
 }
 
+// -> dh (M, 2H) and, if asked, dgate (M,) fp32
 std::vector<torch::Tensor> swiglu_backward(torch::Tensor da, torch::Tensor h, c10::optional<torch::Tensor> gate,
                                            bool need_gate_grad) {
-  check(h, gate);
+  check_dtype(h);
+  check_dtype(da);
   const int64_t rows = h.size(0), hid = h.size(1) / 2;
-  TORCH_CHECK(da.scalar_type() == h.scalar_type() && da.is_contiguous() && da.dim() == 2 && da.size(0) == rows &&
-                  da.size(1) == hid,
-              "swiglu_cpu: da must be a contiguous (M, H) tensor of h's dtype");
+  TORCH_CHECK(da.scalar_type() == h.scalar_type() && da.size(0) == rows && da.size(1) == hid,
+              "swiglu_cpu: da must be (M, H) of h's dtype");
   auto dh = torch::empty_like(h);
-  torch::Tensor g32, dgate;
-  const float* gp = nullptr;
+  torch::Tensor keep, dgate;
+  const float* gp = gate_ptr(gate, rows, keep);
   float* dgp = nullptr;
-  if (gate.has_value()) {
-    g32 = gate->to(torch::kFloat).contiguous();
-    gp = g32.data_ptr<float>();
-  }
   if (need_gate_grad) {
     dgate = torch::empty({rows}, h.options().dtype(torch::kFloat));
     dgp = dgate.data_ptr<float>();
   }
-  if (h.scalar_type() == torch::kBFloat16)
-    backward_rows(da.data_ptr<c10::BFloat16>(), h.data_ptr<c10::BFloat16>(), gp, dh.data_ptr<c10::BFloat16>(), dgp,
-                  rows, hid);
-  else
-    backward_rows(da.data_ptr<float>(), h.data_ptr<float>(), gp, dh.data_ptr<float>(), dgp, rows, hid);
+  on_dtype(h, [&](auto tag) {
+    using T = decltype(tag);
+    const T* hp = h.data_ptr<T>();
+    T* dhp = dh.data_ptr<T>();
+    backward_rows(da.data_ptr<T>(), hp, hp + hid, 2 * hid, gp, dhp, dhp + hid, dgp, rows, hid);
+  });
   if (need_gate_grad) return {dh, dgate};
   return {dh};
+}
+
+// separate g, u (M, H) -> silu(g) * u
+torch::Tensor silu_mul_forward(torch::Tensor g, torch::Tensor u) {
+  check_dtype(g);
+  check_dtype(u);
+  TORCH_CHECK(g.sizes() == u.sizes() && g.scalar_type() == u.scalar_type(), "swiglu_cpu: g and u must match");
+  auto a = torch::empty_like(g);
+  on_dtype(g, [&](auto tag) {
+    using T = decltype(tag);
+    forward_rows(g.data_ptr<T>(), u.data_ptr<T>(), g.size(1), nullptr, a.data_ptr<T>(), g.size(0), g.size(1));
+  });
+  return a;
+}
+
+// -> (dg, du)
+std::vector<torch::Tensor> silu_mul_backward(torch::Tensor da, torch::Tensor g, torch::Tensor u) {
+  check_dtype(g);
+  check_dtype(u);
+  check_dtype(da);
+  TORCH_CHECK(g.sizes() == u.sizes() && da.sizes() == g.sizes() && g.scalar_type() == u.scalar_type() &&
+                  da.scalar_type() == g.scalar_type(),
+              "swiglu_cpu: da, g and u must match");
+  auto dg = torch::empty_like(g);
+  auto du = torch::empty_like(u);
+  on_dtype(g, [&](auto tag) {
+    using T = decltype(tag);
+    backward_rows(da.data_ptr<T>(), g.data_ptr<T>(), u.data_ptr<T>(), g.size(1), nullptr, dg.data_ptr<T>(),
+                  du.data_ptr<T>(), nullptr, g.size(0), g.size(1));
+  });
+  return {dg, du};
 }
 
 }  // namespace
@@ -163,4 +205,6 @@ std::vector<torch::Tensor> swiglu_backward(torch::Tensor da, torch::Tensor h, c1
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_forward", &swiglu_forward, "a = silu(g) * u * gate for h = [g | u]");
   m.def("swiglu_backward", &swiglu_backward, "(dh, [dgate]) of swiglu_forward");
+  m.def("silu_mul_forward", &silu_mul_forward, "silu(g) * u for separate (M, H) g and u");
+  m.def("silu_mul_backward", &silu_mul_backward, "(dg, du) of silu_mul_forward");
 }

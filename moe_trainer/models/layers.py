@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, cast back to the input dtype before the gain."""
@@ -41,8 +43,30 @@ class SwiGLU(nn.Module):
 
     @staticmethod
     def act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """silu(g) * u: the activation that selective recomputation re-runs."""
+        """silu(g) * u: the activation that selective recomputation re-runs (fused on CPU)."""
+        if (g.device.type == "cpu" and g.dtype in (torch.float32, torch.bfloat16) and u.dtype == g.dtype
+                and g.shape == u.shape and g.is_contiguous() and u.is_contiguous()
+                and cpu_kernels.swiglu_ops() is not None):
+            return SiluMul.apply(g, u)
         return F.silu(g) * u
+
+
+class SiluMul(torch.autograd.Function):
+    """silu(g) * u by the fused CPU kernel (cpu_kernels.py), fp32 maths rounded once; saves g and u
+    only (autograd's F.silu(g) * u also keeps silu(g))."""
+
+    @staticmethod
+    def forward(ctx, g, u):
+        g2, u2 = g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1])
+        ctx.save_for_backward(g2, u2)
+        ctx.shape = g.shape
+        return cpu_kernels.swiglu_ops().silu_mul_forward(g2, u2).view(g.shape)
+
+    @staticmethod
+    def backward(ctx, da):
+        g2, u2 = ctx.saved_tensors
+        dg, du = cpu_kernels.swiglu_ops().silu_mul_backward(da.reshape(g2.shape).contiguous(), g2, u2)
+        return dg.view(ctx.shape), du.view(ctx.shape)
 
 
 # ----------------------------------------------------------------------------- RoPE

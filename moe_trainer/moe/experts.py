@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
+from .. import cpu_kernels
 
 
 def _grouped_available() -> bool:

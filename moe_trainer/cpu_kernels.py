@@ -1,12 +1,15 @@
-"""The fused CPU SwiGLU kernel (csrc/swiglu_cpu.cpp), built on first use and cached.
+"""The fused CPU SwiGLU kernels (csrc/swiglu_cpu.cpp), built on first use and cached.
+
+Used by the routed experts (moe/experts.py) and by every dense SwiGLU (models/layers.py:
+Llama's and DeepSeek's dense FFNs, the shared experts) when they run on a CPU in fp32 or bf16.
 
 Like DeepSpeed's CPU ops, it is compiled once per machine (~20 s, g++ and ninja via
 torch.utils.cpp_extension) into MOE_TRAINER_KERNEL_DIR (default
 ~/.cache/moe_trainer/kernels), in a directory named by the source, torch version and
 CPU so that an edit, an upgrade or another machine type builds its own copy; later
-processes load it in milliseconds. `python -m moe_trainer.moe.cpu_kernels` builds it
+processes load it in milliseconds. `python -m moe_trainer.cpu_kernels` builds it
 ahead of a job. MOE_TRAINER_CPU_KERNELS=0 turns it off; if the build fails, the
-torch-op path in experts.py runs instead, after one warning.
+torch-op paths run instead, after one warning.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "swiglu_cpu.cpp"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "swiglu_cpu.cpp"
 _CACHE: dict[str, Any] = {}
 
 
@@ -45,7 +48,8 @@ def enabled() -> bool:
 
 
 def swiglu_ops() -> Optional[Any]:
-    """The extension module (swiglu_forward, swiglu_backward), or None when turned off or unbuildable."""
+    """The extension module (swiglu_forward/backward for [g | u] rows, silu_mul_forward/backward for
+    separate g and u), or None when turned off or unbuildable."""
     if "ops" in _CACHE:
         return _CACHE["ops"]
     ops = None
