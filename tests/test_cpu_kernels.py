@@ -110,35 +110,3 @@ def test_dense_silu_mul_equals_autograd(ops, dtype, tol):
     ref = torch.nn.functional.silu(g64) * u64
     (ref * w).sum().backward()
     assert _rel(out, ref) < tol and _rel(g.grad, g64.grad) < tol and _rel(u.grad, u64.grad) < tol
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_expert_blocks_on_worker_threads_equal_inline(ops, monkeypatch, dtype):
-    """With 2 torch threads the expert blocks run on the worker pool; every output and gradient is
-    bitwise what the inline loop gives (each block is computed the same way on either path)."""
-    monkeypatch.setattr(ex.expert_blocks, "__defaults__", (20,))  # several blocks
-    counts = [40, 0, 17, 64, 3, 0, 25, 9]
-    g = torch.Generator().manual_seed(3)
-    m, d, hid = sum(counts), 32, 24
-    base = [torch.randn(m, d, generator=g), torch.randn(8, 2 * hid, d, generator=g) / math.sqrt(d),
-            torch.randn(8, d, hid, generator=g) / math.sqrt(hid), torch.rand(m, generator=g)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    used = []
-    real = ex._worker_pool
-    try:
-        results = []
-        for pooled in (True, False):
-            monkeypatch.setattr(ex, "_worker_pool", (lambda x, n: used.append(real(x, n)) or used[-1]) if pooled
-                                else (lambda x, n: None))
-            x, w1, w2, gate = [t.to(dtype if i < 3 else torch.float32).requires_grad_() for i, t in enumerate(base)]
-            y = ex.GroupedSwiGLUExperts.apply(x, w1, w2, gate, counts, ex.GROUPED_MM)
-            (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
-            results.append([y, x.grad, w1.grad, w2.grad, gate.grad])
-    finally:
-        torch.set_num_threads(threads)
-    assert used and all(u is not None for u in used), "the pooled run must use the worker pool"
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
-    assert torch.equal(results[0][2][1], torch.zeros_like(results[0][2][1]))  # an expert with no rows
-    assert torch.equal(results[0][2][5], torch.zeros_like(results[0][2][5]))

@@ -13,8 +13,6 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
-#include <omp.h>
-
 #include <cstdint>
 #include <cstring>
 
@@ -202,13 +200,6 @@ std::vector<torch::Tensor> silu_mul_backward(torch::Tensor da, torch::Tensor g, 
   return {dg, du};
 }
 
-// For a worker thread of the experts' thread pool (experts.py): its own GEMMs and loops run on
-// one OpenMP thread, the process-wide torch.set_num_threads setting is untouched.
-void use_one_thread() {
-  (void)at::get_num_threads();  // torch's per-thread lazy init first, or it would undo the next line
-  omp_set_num_threads(1);
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -216,5 +207,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_backward", &swiglu_backward, "(dh, [dgate]) of swiglu_forward");
   m.def("silu_mul_forward", &silu_mul_forward, "silu(g) * u for separate (M, H) g and u");
   m.def("silu_mul_backward", &silu_mul_backward, "(dg, du) of silu_mul_forward");
-  m.def("use_one_thread", &use_one_thread, "this thread's torch ops run single-threaded");
 }

@@ -11,13 +11,10 @@ SwiGLU in place on the cache-resident block, mm into preallocated outputs for th
 down projection. x, the pre-activation and the SwiGLU output are saved (recomputing
 the output read the pre-activation cold from memory: ~3% of the layer); backward
 writes the weight gradients straight into the weights' layout and allocates no
-(M, H) or (M, 2H) temporary. On a CPU the SwiGLU is one fused C++ pass
-(cpu_kernels.py) and the blocks are shared out to single-threaded worker threads.
+(M, H) or (M, 2H) temporary.
 """
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -162,60 +159,6 @@ def _gmm_block(a: torch.Tensor, b: torch.Tensor, counts: list[int], grouped: boo
     return out
 
 
-# On a CPU with T > 1 threads the blocks are shared out to T worker threads that run
-# single-threaded (contiguous blocks, balanced by rows), instead of splitting every
-# small per-expert GEMM across all cores: measured 5% more GEMM throughput, and each
-# core keeps its own experts' operands in its cache.
-_POOL: dict = {}
-
-
-def _worker_pool(x: torch.Tensor, n_blocks: int):
-    """(ThreadPoolExecutor, workers) for the expert blocks, or None: run them inline."""
-    threads = torch.get_num_threads()
-    if x.device.type != "cpu" or threads < 2 or n_blocks < 2:
-        return None
-    ops = cpu_kernels.swiglu_ops()  # holds use_one_thread
-    if ops is None:
-        return None
-    if _POOL.get("key") != (threads, os.getpid()):  # a forked child has no worker threads: its own pool
-        if _POOL.get("pool") is not None and _POOL["key"][1] == os.getpid():
-            _POOL["pool"].shutdown(wait=True)
-        _POOL["pool"] = ThreadPoolExecutor(threads, thread_name_prefix="moe-experts", initializer=ops.use_one_thread)
-        _POOL["key"] = (threads, os.getpid())
-    return _POOL["pool"], min(threads, n_blocks)
-
-
-def _share(blocks: list, workers: int) -> list[list[int]]:
-    """Indices of `blocks` in `workers` contiguous runs with about equal rows."""
-    total = sum(b[3] - b[2] for b in blocks)
-    runs, run, done = [], [], 0
-    for i, b in enumerate(blocks):
-        run.append(i)
-        done += b[3] - b[2]
-        if len(runs) < workers - 1 and done >= total * (len(runs) + 1) / workers:
-            runs.append(run)
-            run = []
-    return [r for r in runs + [run] if r]
-
-
-def _run_blocks(fn, blocks: list, x: torch.Tensor) -> None:
-    """fn(i) for every block index, on the worker pool (no autograd there) or inline."""
-    pool = _worker_pool(x, len(blocks))
-    if pool is None:
-        for i in range(len(blocks)):
-            fn(i)
-        return
-
-    def run(indices):
-        with torch.no_grad():
-            for i in indices:
-                fn(i)
-
-    futures = [pool[0].submit(run, r) for r in _share(blocks, pool[1])]
-    for f in futures:
-        f.result()
-
-
 class GroupedSwiGLUExperts(torch.autograd.Function):
     """out = (silu(x W1g^T) * x W1u^T * gate) W2^T per expert group of rows.
 
@@ -230,17 +173,14 @@ class GroupedSwiGLUExperts(torch.autograd.Function):
         out = x.new_empty(x.shape[0], w2.shape[1])
         w1t, w2t = w1.transpose(1, 2), w2.transpose(1, 2)
         blocks = expert_blocks(counts)
-        hs, acts = [None] * len(blocks), [None] * len(blocks)
-
-        def block(i):
-            e0, e1, r0, r1 = blocks[i]
+        hs, acts = [], []
+        for e0, e1, r0, r1 in blocks:
             cs = counts[e0:e1]
             h = _gmm_block(x[r0:r1], w1t[e0:e1], cs, grouped)  # (rows, 2H)
             a = swiglu_forward(h, gate[r0:r1] if gate is not None else None, block=r1 - r0)
             _mm_rows(a, w2t, cs, e0, out[r0:r1])
-            hs[i], acts[i] = h, a
-
-        _run_blocks(block, blocks, x)
+            hs.append(h)
+            acts.append(a)
         ctx.save_for_backward(w1, w2, gate, x, *hs, *acts)
         ctx.counts, ctx.blocks, ctx.grouped = counts, blocks, grouped
         return out
@@ -257,18 +197,15 @@ class GroupedSwiGLUExperts(torch.autograd.Function):
         dw1 = w1.new_empty(w1.shape) if need_w1 else None
         dw2 = w2.new_empty(w2.shape) if need_w2 else None
         dgate = gate.new_empty(gate.shape) if need_gate else None
-        blocks = ctx.blocks
-        for w in (dw1, dw2):  # experts in no block own no rows: zero gradients
-            if w is not None:
-                for start, stop in zip([0] + [b[1] for b in blocks], [b[0] for b in blocks] + [w.shape[0]]):
-                    w[start:stop].zero_()
-        if need_gate and blocks:
-            dgate[blocks[-1][3]:].zero_()
-
-        def block(i):
-            e0, e1, r0, r1 = blocks[i]
+        covered = 0
+        for i, (e0, e1, r0, r1) in enumerate(ctx.blocks):
             cs, h, dy_b = counts[e0:e1], hs[i], dy[r0:r1]
             g_b = gate[r0:r1] if gate is not None else None
+            if need_w1 or need_w2:  # experts before this block own no rows
+                for w in (dw1, dw2):
+                    if w is not None:
+                        w[covered:e0].zero_()
+                covered = e1
             if need_w2:
                 _wgrad_rows(dy_b, acts[i], cs, e0, dw2)  # (E, d, H)
             da = _gmm_block(dy_b, w2[e0:e1], cs, grouped)  # (rows, H)
@@ -280,8 +217,11 @@ class GroupedSwiGLUExperts(torch.autograd.Function):
                 _wgrad_rows(dh, x[r0:r1], cs, e0, dw1)  # (E, 2H, d)
             if need_x:
                 _mm_rows(dh, w1, cs, e0, dx[r0:r1])
-
-        _run_blocks(block, blocks, x)
+        for w in (dw1, dw2):
+            if w is not None:
+                w[covered:].zero_()
+        if need_gate and ctx.blocks:
+            dgate[ctx.blocks[-1][3]:].zero_()
         return dx, dw1, dw2, dgate, None, None
 
 
