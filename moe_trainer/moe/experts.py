@@ -11,7 +11,8 @@ SwiGLU in place on the cache-resident block, mm into preallocated outputs for th
 down projection. x, the pre-activation and the SwiGLU output are saved (recomputing
 the output read the pre-activation cold from memory: ~3% of the layer); backward
 writes the weight gradients straight into the weights' layout and allocates no
-(M, H) or (M, 2H) temporary.
+(M, H) or (M, 2H) temporary. On a CPU the SwiGLU and its backward are one fused C++
+pass each (cpu_kernels.py); the torch ops below are the reference and the fallback.
 """
 from __future__ import annotations
 
