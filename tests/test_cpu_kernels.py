@@ -110,3 +110,19 @@ def test_dense_silu_mul_equals_autograd(ops, dtype, tol):
     ref = torch.nn.functional.silu(g64) * u64
     (ref * w).sum().backward()
     assert _rel(out, ref) < tol and _rel(g.grad, g64.grad) < tol and _rel(u.grad, u64.grad) < tol
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
+    """A kernel that does not compile: one warning, swiglu_ops() is None, the experts run on torch ops."""
+    broken = tmp_path / "swiglu_cpu.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
+    monkeypatch.setattr(cpu_kernels, "_CACHE", {})
+    monkeypatch.setenv("MOE_TRAINER_KERNEL_DIR", str(tmp_path / "kernels"))
+    with pytest.warns(UserWarning, match="could not be built"):
+        assert cpu_kernels.swiglu_ops() is None
+    assert cpu_kernels.swiglu_ops() is None  # cached: no second build, no second warning
+    h, da, gate = _inputs(torch.float32, 5, 4)
+    a = ex.swiglu_forward(h, gate)
+    g64, u64 = h[:, :4].double(), h[:, 4:].double()
+    assert _rel(a, torch.nn.functional.silu(g64) * u64 * gate.double()[:, None]) < 1e-6
