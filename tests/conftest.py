@@ -109,6 +109,37 @@ def ep_layer_parity_errors(layer, ref, out, ref_out, x, x_ref, rank: int, world:
     return errors
 
 
+# 5 steps of the tiny MoE with a checkpoint at step 5: what expert-parallel runs are compared with
+MOE_STEPS = ["train.max_steps=5", "train.checkpoint_every=5"]
+
+
+@pytest.fixture(scope="session")
+def moe_reference(tmp_path_factory):
+    """TINY + MOE_STEPS on one rank, trained once for every test file that compares with it."""
+    out = tmp_path_factory.mktemp("moe_reference") / "one"
+    check(launch(1, out, TINY + MOE_STEPS, launcher="python"))
+    return out
+
+
+def assert_same_losses(one_dir: Path, many_dir: Path, steps=(1, 2, 3, 4, 5)) -> None:
+    """The runs' training losses agree to a relative 1e-4 at every step."""
+    one, many = train_losses(one_dir), train_losses(many_dir)
+    assert sorted(many) == list(steps), many
+    for s in steps:
+        assert abs(one[s] - many[s]) / abs(one[s]) < 1e-4, (s, one[s], many[s])
+
+
+def assert_same_final_weights(one_dir: Path, many_dir: Path, step: int = 5) -> None:
+    """The step's checkpoints (gathered under global expert ids) hold equal weights (rtol 1e-4)."""
+    from safetensors.torch import load_file
+    import torch
+    a = load_file(str(one_dir / "checkpoints" / f"step_{step}" / "model-pp0.safetensors"))
+    b = load_file(str(many_dir / "checkpoints" / f"step_{step}" / "model-pp0.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernels_built():
     """Build the fused CPU kernels once, before any test (the first build takes ~20 s; every later
