@@ -69,6 +69,16 @@ def swiglu_ops() -> Optional[Any]:
     return ops
 
 
+def ops_for(*tensors: torch.Tensor) -> Optional[Any]:
+    """swiglu_ops() when the kernels take these tensors (contiguous CPU tensors, all float32 or all
+    bfloat16), else None: the caller runs torch ops."""
+    dtype = tensors[0].dtype
+    if dtype not in (torch.float32, torch.bfloat16) or any(
+            t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in tensors):
+        return None
+    return swiglu_ops()
+
+
 if __name__ == "__main__":
     ops = swiglu_ops()
     print(f"fused CPU SwiGLU kernel: {'ready in ' + str(build_dir()) if ops is not None else 'not available'}")

@@ -44,9 +44,7 @@ class SwiGLU(nn.Module):
     @staticmethod
     def act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """silu(g) * u: the activation that selective recomputation re-runs (fused on CPU)."""
-        if (g.device.type == "cpu" and g.dtype in (torch.float32, torch.bfloat16) and u.dtype == g.dtype
-                and g.shape == u.shape and g.is_contiguous() and u.is_contiguous()
-                and cpu_kernels.swiglu_ops() is not None):
+        if g.shape == u.shape and cpu_kernels.ops_for(g, u) is not None:
             return SiluMul.apply(g, u)
         return F.silu(g) * u
 

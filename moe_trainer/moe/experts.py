@@ -54,18 +54,11 @@ def _aligned(t: torch.Tensor) -> bool:
 SWIGLU_BLOCK_ROWS = 2048
 
 
-def _fused(h: torch.Tensor):
-    """The fused CPU kernel (cpu_kernels.py) for h, or None: torch ops then."""
-    if h.device.type != "cpu" or h.dtype not in (torch.float32, torch.bfloat16) or not h.is_contiguous():
-        return None
-    return cpu_kernels.swiglu_ops()
-
-
 def swiglu_forward(h: torch.Tensor, gate: Optional[torch.Tensor], block: int = SWIGLU_BLOCK_ROWS) -> torch.Tensor:
     """silu(g) * u (* gate) for h = [g | u] (M, 2H); one new (M, H) tensor, no chunk copies.
     On CPU the fused kernel computes it in fp32 and rounds once; the torch ops below round in
     the same order as `F.silu(g) * u * gate[:, None]`."""
-    ops = _fused(h)
+    ops = cpu_kernels.ops_for(h)
     if ops is not None:
         return ops.swiglu_forward(h, gate)
     m, hid = h.shape[0], h.shape[-1] // 2
@@ -86,8 +79,8 @@ def swiglu_backward(da: torch.Tensor, h: torch.Tensor, gate: Optional[torch.Tens
     """Gradients of swiglu_forward: dh (M, 2H), its two halves written in place (no
     concatenation), and dgate (M,) in gate's dtype (or None). silu(g) is recomputed
     from h. Overwrites da (the torch-op path)."""
-    ops = _fused(h)
-    if ops is not None and da.dtype == h.dtype and da.is_contiguous():
+    ops = cpu_kernels.ops_for(h, da)
+    if ops is not None:
         out = ops.swiglu_backward(da, h, gate, gate is not None and need_gate_grad)
         return out[0], (out[1].to(gate.dtype) if len(out) > 1 else None)
     m, hid = h.shape[0], h.shape[-1] // 2
