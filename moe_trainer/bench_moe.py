@@ -270,7 +270,7 @@ def main(argv=None):
             continue
         times = [t for r in rs for t in r["times"]]
         results[key] = r = {"times": times, "median_s": statistics.median(times), "min_s": min(times),
-                            "rounds": len(rs), "peak_rss_mb": max(x["peak_rss_mb"] for x in rs),
+                            "peak_rss_mb": max(x["peak_rss_mb"] for x in rs),
                             "rss_before_mb": min(x["rss_before_mb"] for x in rs),
                             "profile": "\n".join(x["profile"] for x in rs if x.get("profile"))}
         r["tok_s"] = tokens / r["median_s"]
