@@ -1,7 +1,9 @@
-"""The fused CPU SwiGLU kernels (csrc/swiglu_cpu.cpp), built on first use and cached.
+"""The fused CPU kernels (csrc/cpu_kernels.cpp), built on first use and cached.
 
-Used by the routed experts (moe/experts.py) and by every dense SwiGLU (models/layers.py:
-Llama's and DeepSeek's dense FFNs, the shared experts) when they run on a CPU in fp32 or bf16.
+- SwiGLU: used by the routed experts (moe/experts.py) and by every dense SwiGLU
+  (models/layers.py: Llama's and DeepSeek's dense FFNs, the shared experts).
+- Causal softmax: used by the explicit CPU attention (models/layers.py).
+Each runs when its tensors are on a CPU in fp32 or bf16.
 
 Like DeepSpeed's CPU ops, it is compiled once per machine (~20 s, g++ and ninja via
 torch.utils.cpp_extension) into MOE_TRAINER_KERNEL_DIR (default
@@ -23,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "swiglu_cpu.cpp"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
 _CACHE: dict[str, Any] = {}
 
 
@@ -40,16 +42,16 @@ def _cpu_signature() -> str:
 def build_dir() -> Path:
     key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_signature().encode()).hexdigest()
     root = os.environ.get("MOE_TRAINER_KERNEL_DIR") or Path.home() / ".cache" / "moe_trainer" / "kernels"
-    return Path(root) / f"swiglu_cpu_{key[:16]}"
+    return Path(root) / f"cpu_kernels_{key[:16]}"
 
 
 def enabled() -> bool:
     return os.environ.get("MOE_TRAINER_CPU_KERNELS", "1") != "0" and sys.platform.startswith("linux")
 
 
-def swiglu_ops() -> Optional[Any]:
+def kernels() -> Optional[Any]:
     """The extension module (swiglu_forward/backward for [g | u] rows, silu_mul_forward/backward for
-    separate g and u), or None when turned off or unbuildable."""
+    separate g and u, causal_softmax_forward_/backward_), or None when turned off or unbuildable."""
     if "ops" in _CACHE:
         return _CACHE["ops"]
     ops = None
@@ -58,11 +60,11 @@ def swiglu_ops() -> Optional[Any]:
             from torch.utils.cpp_extension import load
             d = build_dir()
             d.mkdir(parents=True, exist_ok=True)
-            ops = load(name="moe_trainer_swiglu_cpu", sources=[str(SOURCE)], build_directory=str(d),
+            ops = load(name="moe_trainer_cpu_kernels", sources=[str(SOURCE)], build_directory=str(d),
                        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                        verbose=False)
         except Exception as e:  # no compiler, no ninja, an unknown -march: the torch-op path still works
-            warnings.warn(f"the fused CPU SwiGLU kernel could not be built ({type(e).__name__}: "
+            warnings.warn(f"the fused CPU kernels could not be built ({type(e).__name__}: "
                           f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); using torch ops.")
             ops = None
     _CACHE["ops"] = ops
@@ -70,16 +72,16 @@ def swiglu_ops() -> Optional[Any]:
 
 
 def ops_for(*tensors: torch.Tensor) -> Optional[Any]:
-    """swiglu_ops() when the kernels take these tensors (contiguous CPU tensors, all float32 or all
+    """kernels() when the kernels take these tensors (contiguous CPU tensors, all float32 or all
     bfloat16), else None: the caller runs torch ops."""
     dtype = tensors[0].dtype
     if dtype not in (torch.float32, torch.bfloat16) or any(
             t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in tensors):
         return None
-    return swiglu_ops()
+    return kernels()
 
 
 if __name__ == "__main__":
-    ops = swiglu_ops()
-    print(f"fused CPU SwiGLU kernel: {'ready in ' + str(build_dir()) if ops is not None else 'not available'}")
+    ops = kernels()
+    print(f"fused CPU kernels: {'ready in ' + str(build_dir()) if ops is not None else 'not available'}")
     sys.exit(0 if ops is not None or not enabled() else 1)

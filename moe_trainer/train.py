@@ -68,8 +68,8 @@ def main(argv=None) -> int:
     if device.type == "cpu" and cfg.train.keep_freed_memory:
         keep_freed_memory()
     if device.type == "cpu":  # build (first run on a machine, ~20 s) before any collective can wait on it
-        from .cpu_kernels import swiglu_ops
-        swiglu_ops()
+        from .cpu_kernels import kernels
+        kernels()
     init_distributed(cfg.parallel.timeout_s)
     rank = int(os.environ["RANK"])
     mesh = build_mesh(layout, rank)

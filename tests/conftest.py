@@ -145,4 +145,4 @@ def cpu_kernels_built():
     """Build the fused CPU kernels once, before any test (the first build takes ~20 s; every later
     process, spawned ranks included, loads the cached copy)."""
     from moe_trainer import cpu_kernels
-    cpu_kernels.swiglu_ops()
+    cpu_kernels.kernels()

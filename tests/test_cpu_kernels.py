@@ -1,6 +1,9 @@
-"""The fused CPU SwiGLU kernel against the torch-op path it replaces (the reference): forward,
-backward and the gate gradient, fp32 and bf16, odd sizes, with and without a gate, NaN
-propagation, and the routed experts end to end with the kernel on and off."""
+"""The fused CPU kernels against the torch-op paths they replace (the references) and float64.
+
+SwiGLU: forward, backward and the gate gradient, fp32 and bf16, odd sizes, with and without a
+gate, NaN propagation, and the routed experts end to end with the kernel on and off. Causal
+softmax: forward and backward against a masked float64 softmax (offsets, strided blocks), and the
+explicit CPU attention with it (blocked GEMMs) against its torch-op path and SDPA."""
 import math
 
 import pytest
@@ -12,7 +15,7 @@ from moe_trainer.moe import experts as ex
 
 @pytest.fixture(scope="module")
 def ops():
-    ops = cpu_kernels.swiglu_ops()
+    ops = cpu_kernels.kernels()
     assert ops is not None, "the fused kernel must build on this machine (g++ and ninja are test requirements)"
     return ops
 
@@ -113,16 +116,101 @@ def test_dense_silu_mul_equals_autograd(ops, dtype, tol):
 
 
 def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
-    """A kernel that does not compile: one warning, swiglu_ops() is None, the experts run on torch ops."""
-    broken = tmp_path / "swiglu_cpu.cpp"
+    """A kernel that does not compile: one warning, kernels() is None, the experts run on torch ops."""
+    broken = tmp_path / "cpu_kernels.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
     monkeypatch.setattr(cpu_kernels, "_CACHE", {})
     monkeypatch.setenv("MOE_TRAINER_KERNEL_DIR", str(tmp_path / "kernels"))
     with pytest.warns(UserWarning, match="could not be built"):
-        assert cpu_kernels.swiglu_ops() is None
-    assert cpu_kernels.swiglu_ops() is None  # cached: no second build, no second warning
+        assert cpu_kernels.kernels() is None
+    assert cpu_kernels.kernels() is None  # cached: no second build, no second warning
     h, da, gate = _inputs(torch.float32, 5, 4)
     a = ex.swiglu_forward(h, gate)
     g64, u64 = h[:, :4].double(), h[:, 4:].double()
     assert _rel(a, torch.nn.functional.silu(g64) * u64 * gate.double()[:, None]) < 1e-6
+
+
+# ----------------------------------------------------------------------------- causal softmax
+
+def _masked_softmax64(s, scale, offset):
+    """float64 truth: softmax of scale * s over keys j <= i + offset (row i of the block)."""
+    t, w = s.shape[-2:]
+    hidden = torch.arange(w)[None, :] > torch.arange(t)[:, None] + offset
+    return torch.softmax((s.double() * scale).masked_fill(hidden, float("-inf")), dim=-1), hidden
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("b, t, w, offset", [(1, 1, 1, 0), (3, 7, 7, 0), (2, 5, 13, 8), (4, 33, 100, 67),
+                                             (2, 64, 200, 10)])
+def test_causal_softmax_kernel_equals_masked_softmax(ops, dtype, tol, b, t, w, offset):
+    """Forward and backward of the fused causal softmax against float64 autograd through a masked
+    softmax: the hidden keys get exactly 0, in both directions."""
+    gen = torch.Generator().manual_seed(t + w)
+    s64 = (torch.randn(b, t, w, generator=gen, dtype=torch.float64) * 4).to(dtype).double().requires_grad_()
+    dp = torch.randn(b, t, w, generator=gen, dtype=torch.float64).to(dtype)
+    ref, hidden = _masked_softmax64(s64, 0.7, offset)
+    (ref_grad,) = torch.autograd.grad(ref, s64, dp.double())
+    p = ops.causal_softmax_forward_(s64.detach().to(dtype), 0.7, offset)
+    assert p.dtype == dtype and _rel(p, ref) < tol
+    assert (p[:, hidden] == 0).all()
+    ds = ops.causal_softmax_backward_(dp.clone(), p, 0.7, offset)
+    assert _rel(ds, ref_grad) < 2 * tol
+    assert (ds[:, hidden] == 0).all()
+
+
+def test_causal_softmax_kernel_on_a_strided_block(ops):
+    """A query block of a larger buffer (strided rows): only the block's own elements change."""
+    gen = torch.Generator().manual_seed(5)
+    full = torch.randn(3, 8, 20, generator=gen)
+    before = full.clone()
+    block = full[:, 2:6, :9]  # rows 2..5 of each batch, their first 9 keys
+    ops.causal_softmax_forward_(block, 1.3, 2)
+    ref, _ = _masked_softmax64(before[:, 2:6, :9], 1.3, 2)
+    assert _rel(full[:, 2:6, :9], ref) < 2e-6
+    outside = torch.ones_like(full, dtype=torch.bool)
+    outside[:, 2:6, :9] = False
+    assert torch.equal(full[outside], before[outside])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t", [1, 37, 300, 600])
+def test_fused_causal_attention_equals_torch_ops(ops, monkeypatch, dtype, t):
+    """ExplicitCausalAttention with the fused kernel (and, from 129 rows in fp32 / 257 in bf16, the
+    blocked GEMMs that skip the hidden tiles) against its torch-op path and float64 SDPA: outputs
+    and the three gradients."""
+    from moe_trainer.models import layers
+    calls = []
+    real = ops.causal_softmax_forward_
+    monkeypatch.setattr(ops, "causal_softmax_forward_", lambda *a: calls.append(a[0].shape) or real(*a))
+    gen = torch.Generator().manual_seed(t)
+    q64, k64 = (torch.randn(2, 3, t, 24, generator=gen, dtype=torch.float64) for _ in range(2))
+    v64, w64 = (torch.randn(2, 3, t, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    qkv = [x.requires_grad_() for x in (q64.clone(), k64.clone(), v64.clone())]
+    truth = torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=True, scale=0.25)
+    truth = [truth, *torch.autograd.grad(truth, qkv, w64)]
+
+    def run():
+        qkv = [x.to(dtype).requires_grad_() for x in (q64, k64, v64)]
+        out = layers.ExplicitCausalAttention.apply(*qkv, 0.25)
+        return [out, *torch.autograd.grad(out, qkv, w64.to(dtype))]
+
+    fused = run()
+    blocks = layers.causal_blocks(t, layers.CAUSAL_BLOCK_ROWS[dtype])
+    assert calls == [(6, r1 - r0, r1) for r0, r1 in blocks]  # the fused path ran, block by block
+    _reference(monkeypatch)
+    torch_ops = run()
+    for a, b, ref in zip(fused, torch_ops, truth):
+        if dtype == torch.float32:
+            assert _rel(a, ref) < 1e-5
+        else:  # within bf16 rounding, and about as close to the truth as the torch ops
+            assert _rel(a, ref) < 2e-2 and _rel(a, ref) < 1.5 * _rel(b, ref) + 2e-3
+
+
+def test_causal_softmax_kernel_nan_stays_in_its_row(ops):
+    for dtype in (torch.float32, torch.bfloat16):
+        s = torch.randn(2, 6, 6).to(dtype)
+        s[1, 3, 2] = float("nan")
+        p = ops.causal_softmax_forward_(s, 1.0, 0)
+        assert torch.isnan(p[1, 3, :4]).all() and torch.isfinite(p[1, [0, 1, 2, 4, 5]]).all()
+        assert torch.isfinite(p[0]).all()

@@ -58,12 +58,12 @@ class SiluMul(torch.autograd.Function):
         g2, u2 = g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1])
         ctx.save_for_backward(g2, u2)
         ctx.shape = g.shape
-        return cpu_kernels.swiglu_ops().silu_mul_forward(g2, u2).view(g.shape)
+        return cpu_kernels.kernels().silu_mul_forward(g2, u2).view(g.shape)
 
     @staticmethod
     def backward(ctx, da):
         g2, u2 = ctx.saved_tensors
-        dg, du = cpu_kernels.swiglu_ops().silu_mul_backward(da.reshape(g2.shape).contiguous(), g2, u2)
+        dg, du = cpu_kernels.kernels().silu_mul_backward(da.reshape(g2.shape).contiguous(), g2, u2)
         return dg.view(ctx.shape), du.view(ctx.shape)
 
 
@@ -199,14 +199,35 @@ def causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device) -> tor
     return _CAUSAL_MASKS[key]
 
 
+# Query/key blocks of the fused causal path: the GEMMs skip the score tiles above the
+# diagonal blocks, (nb + 1) / (2 nb) of the full work for nb blocks. Smaller blocks skip more
+# but run smaller GEMMs; measured best on 2 cores at T = 256-1024: 128 rows in fp32, 256 in bf16
+# (bf16 GEMMs are ~5x faster, so per-block costs weigh more).
+CAUSAL_BLOCK_ROWS = {torch.float32: 128, torch.bfloat16: 256}
+
+
+def causal_blocks(t: int, block: int) -> list[tuple[int, int]]:
+    """[(r0, r1)] splitting t rows into ceil(t / block) near-equal blocks."""
+    nb = max(1, -(-t // block))
+    bounds = [t * i // nb for i in range(nb + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 class ExplicitCausalAttention(torch.autograd.Function):
     """softmax(scale * q k^T + causal mask) v with the probabilities saved for backward.
 
     Forward: one baddbmm (mask added in the GEMM), softmax, one bmm. Backward:
     dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dP * P)), dQ = scale dS K,
     dK = scale dS^T Q. The softmax runs in float32 inside its kernel whatever
-    the input dtype. Checked against F.scaled_dot_product_attention in
-    tests/test_models.py.
+    the input dtype.
+
+    On a CPU (T == S, fp32 or bf16) the fused path splits queries and keys into
+    blocks of about CAUSAL_BLOCK_ROWS: every GEMM skips the tiles above the diagonal,
+    and the fused causal softmax (cpu_kernels.py) replaces the mask, the softmax
+    and the scaling of dQ and dK. Query block b keeps its probabilities against
+    keys [0, end of b); dK and dV sum the blocks' contributions in fp32. Checked against
+    F.scaled_dot_product_attention in tests/test_models.py and against the
+    torch-op path in tests/test_cpu_kernels.py.
     """
 
     @staticmethod
@@ -214,20 +235,49 @@ class ExplicitCausalAttention(torch.autograd.Function):
         b, h, t, d = q.shape
         s = k.shape[2]
         q3, k3, v3 = q.reshape(b * h, t, d), k.reshape(b * h, s, d), v.reshape(b * h, s, v.shape[-1])
-        scores = torch.baddbmm(causal_mask(t, s, q.dtype, q.device), q3, k3.transpose(1, 2), alpha=scale)
-        probs = torch.softmax(scores, dim=-1)
-        del scores
-        ctx.save_for_backward(q3, k3, v3, probs)
-        ctx.scale, ctx.bh = scale, (b, h)
-        return torch.bmm(probs, v3).view(b, h, t, v.shape[-1])
+        ops = cpu_kernels.ops_for(q3.new_empty(0)) if t == s and scale > 0 else None
+        ctx.scale, ctx.bh, ctx.fused = scale, (b, h), ops is not None
+        if ops is None:
+            scores = torch.baddbmm(causal_mask(t, s, q.dtype, q.device), q3, k3.transpose(1, 2), alpha=scale)
+            probs = torch.softmax(scores, dim=-1)
+            del scores
+            ctx.save_for_backward(q3, k3, v3, probs)
+            return torch.bmm(probs, v3).view(b, h, t, v.shape[-1])
+        out, probs = [], []
+        for r0, r1 in causal_blocks(t, CAUSAL_BLOCK_ROWS[q.dtype]):  # query block r0..r1 sees keys 0..r1
+            p = ops.causal_softmax_forward_(torch.bmm(q3[:, r0:r1], k3[:, :r1].transpose(1, 2)), scale, r0)
+            out.append(torch.bmm(p, v3[:, :r1]))
+            probs.append(p)
+        ctx.save_for_backward(q3, k3, v3, *probs)
+        return torch.cat(out, dim=1).view(b, h, t, v.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        q3, k3, v3, probs = ctx.saved_tensors
+        q3, k3, v3, *probs = ctx.saved_tensors
         b, h = ctx.bh
         g3 = grad_out.reshape(b * h, grad_out.shape[2], grad_out.shape[3])
-        dv = torch.bmm(probs.transpose(1, 2), g3)
-        dscores = torch._softmax_backward_data(torch.bmm(g3, v3.transpose(1, 2)), probs, -1, probs.dtype)
-        dq = torch.bmm(dscores, k3).mul_(ctx.scale)
-        dk = torch.bmm(dscores.transpose(1, 2), q3).mul_(ctx.scale)
+        if ctx.fused:
+            ops, t = cpu_kernels.kernels(), q3.shape[1]
+            blocks = causal_blocks(t, CAUSAL_BLOCK_ROWS[q3.dtype])
+            if len(blocks) == 1:
+                (p,) = probs
+                dv = torch.bmm(p.transpose(1, 2), g3)
+                ds = ops.causal_softmax_backward_(torch.bmm(g3, v3.transpose(1, 2)), p, ctx.scale, 0)
+                dq, dk = torch.bmm(ds, k3), torch.bmm(ds.transpose(1, 2), q3)
+            else:  # dK and dV sum over query blocks, in fp32 (in bf16 each block's GEMM rounds once)
+                dk, dv = k3.new_zeros(k3.shape, dtype=torch.float32), v3.new_zeros(v3.shape, dtype=torch.float32)
+                dq = []
+                for (r0, r1), p in zip(blocks, probs):
+                    g = g3[:, r0:r1]
+                    dv[:, :r1] += torch.bmm(p.transpose(1, 2), g)
+                    ds = ops.causal_softmax_backward_(torch.bmm(g, v3[:, :r1].transpose(1, 2)), p, ctx.scale, r0)
+                    dq.append(torch.bmm(ds, k3[:, :r1]))
+                    dk[:, :r1] += torch.bmm(ds.transpose(1, 2), q3[:, r0:r1])
+                dq, dk, dv = torch.cat(dq, dim=1), dk.to(k3.dtype), dv.to(v3.dtype)
+        else:
+            (probs,) = probs
+            dv = torch.bmm(probs.transpose(1, 2), g3)
+            dscores = torch._softmax_backward_data(torch.bmm(g3, v3.transpose(1, 2)), probs, -1, probs.dtype)
+            dq = torch.bmm(dscores, k3).mul_(ctx.scale)
+            dk = torch.bmm(dscores.transpose(1, 2), q3).mul_(ctx.scale)
         return dq.view(b, h, *dq.shape[1:]), dk.view(b, h, *dk.shape[1:]), dv.view(b, h, *dv.shape[1:]), None

@@ -1,20 +1,29 @@
-// Fused SwiGLU on CPU, for the routed experts ([g | u] rows with a gate per row) and the dense
-// FFNs (separate g and u): one pass instead of torch's three (forward) or seven (backward)
-// elementwise passes. Built on first use by moe_trainer/cpu_kernels.py; the torch-op paths in
-// moe/experts.py and models/layers.py are the references.
+// Fused CPU kernels, built on first use by moe_trainer/cpu_kernels.py. The torch-op paths in
+// moe/experts.py and models/layers.py are the references (and the fallback).
 //
+// SwiGLU, for the routed experts ([g | u] rows with a gate per row) and the dense FFNs (separate
+// g and u): one pass instead of torch's three (forward) or seven (backward) elementwise passes.
 //   forward:  a = silu(g) * u * gate                      for h = [g | u], a row per routed copy
 //   backward: du = da * gate * silu(g)
 //             dg = da * gate * u * silu'(g),  silu'(g) = s * (1 + g * (1 - s)),  s = sigmoid(g)
 //             dgate = sum_j da * silu(g) * u               (fp32 accumulation)
+//
+// Causal softmax, for the explicit CPU attention (models/layers.py): row i of a (T, S) score
+// block sees keys j <= i + offset. One pass each way instead of the masked GEMM's mask copy, the
+// softmax over the whole row and the separate scaling of dQ and dK; the masked half is only written
+// (zeros), never read.
+//   forward:  p_j = exp(scale * (s_j - max_k s_k)) / sum_k exp(...)    over visible j, else 0
+//   backward: ds_j = scale * p_j * (dp_j - sum_k p_k dp_k)              (in place over dp)
 //
 // Everything is computed in fp32 and rounded once on store (bf16: round to nearest even).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -109,14 +118,14 @@ void backward_rows(const T* da, const T* g0, const T* u0, int64_t in_stride, con
 }
 
 void check_dtype(const torch::Tensor& t) {
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() == 2, "swiglu_cpu: contiguous 2-D CPU tensors only");
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() == 2, "cpu_kernels: contiguous 2-D CPU tensors only");
   TORCH_CHECK(t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16,
-              "swiglu_cpu: float32 or bfloat16 only");
+              "cpu_kernels: float32 or bfloat16 only");
 }
 
 const float* gate_ptr(const c10::optional<torch::Tensor>& gate, int64_t rows, torch::Tensor& keep) {
   if (!gate.has_value()) return nullptr;
-  TORCH_CHECK(gate->dim() == 1 && gate->size(0) == rows, "swiglu_cpu: gate must be (M,)");
+  TORCH_CHECK(gate->dim() == 1 && gate->size(0) == rows, "cpu_kernels: gate must be (M,)");
   keep = gate->to(torch::kFloat).contiguous();
   return keep.data_ptr<float>();
 }
@@ -130,7 +139,7 @@ void on_dtype(const torch::Tensor& t, F&& f) {
 // h = [g | u] (M, 2H) -> a = silu(g) * u * gate (M, H)
 torch::Tensor swiglu_forward(torch::Tensor h, c10::optional<torch::Tensor> gate) {
   check_dtype(h);
-  TORCH_CHECK(h.size(1) % 2 == 0, "swiglu_cpu: h must be (M, 2H)");
+  TORCH_CHECK(h.size(1) % 2 == 0, "cpu_kernels: h must be (M, 2H)");
   const int64_t rows = h.size(0), hid = h.size(1) / 2;
   auto a = torch::empty({rows, hid}, h.options());
   torch::Tensor keep;
@@ -150,7 +159,7 @@ std::vector<torch::Tensor> swiglu_backward(torch::Tensor da, torch::Tensor h, c1
   check_dtype(da);
   const int64_t rows = h.size(0), hid = h.size(1) / 2;
   TORCH_CHECK(da.scalar_type() == h.scalar_type() && da.size(0) == rows && da.size(1) == hid,
-              "swiglu_cpu: da must be (M, H) of h's dtype");
+              "cpu_kernels: da must be (M, H) of h's dtype");
   auto dh = torch::empty_like(h);
   torch::Tensor keep, dgate;
   const float* gp = gate_ptr(gate, rows, keep);
@@ -173,7 +182,7 @@ std::vector<torch::Tensor> swiglu_backward(torch::Tensor da, torch::Tensor h, c1
 torch::Tensor silu_mul_forward(torch::Tensor g, torch::Tensor u) {
   check_dtype(g);
   check_dtype(u);
-  TORCH_CHECK(g.sizes() == u.sizes() && g.scalar_type() == u.scalar_type(), "swiglu_cpu: g and u must match");
+  TORCH_CHECK(g.sizes() == u.sizes() && g.scalar_type() == u.scalar_type(), "cpu_kernels: g and u must match");
   auto a = torch::empty_like(g);
   on_dtype(g, [&](auto tag) {
     using T = decltype(tag);
@@ -189,7 +198,7 @@ std::vector<torch::Tensor> silu_mul_backward(torch::Tensor da, torch::Tensor g, 
   check_dtype(da);
   TORCH_CHECK(g.sizes() == u.sizes() && da.sizes() == g.sizes() && g.scalar_type() == u.scalar_type() &&
                   da.scalar_type() == g.scalar_type(),
-              "swiglu_cpu: da, g and u must match");
+              "cpu_kernels: da, g and u must match");
   auto dg = torch::empty_like(g);
   auto du = torch::empty_like(u);
   on_dtype(g, [&](auto tag) {
@@ -200,6 +209,93 @@ std::vector<torch::Tensor> silu_mul_backward(torch::Tensor da, torch::Tensor g, 
   return {dg, du};
 }
 
+// ------------------------------------------------------------------------------ causal softmax
+
+constexpr int64_t kGrainSoftmaxRows = 16;
+
+// A (B, R, W) block of a larger score matrix: rows may be strided (a query block of a full
+// (B, T, S) buffer, its first W keys), elements within a row are contiguous.
+void check_block(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 3 && t.stride(2) == 1,
+              "cpu_kernels: ", what, " must be a (B, R, W) CPU tensor with contiguous rows");
+  TORCH_CHECK(t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16,
+              "cpu_kernels: float32 or bfloat16 only");
+}
+
+// Row i of the block sees keys [0, min(i + offset + 1, W)): at least key 0.
+inline int64_t visible(int64_t i, int64_t offset, int64_t w) { return std::min(i + offset + 1, w); }
+
+template <typename T>
+void softmax_rows(T* x, int64_t batch, int64_t rows, int64_t w, int64_t sb, int64_t sr, int64_t offset, float scale) {
+  at::parallel_for(0, batch * rows, kGrainSoftmaxRows, [&](int64_t q0, int64_t q1) {
+    std::vector<float> e(w);
+    float* ep = e.data();
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t i = q % rows;
+      T* row = x + (q / rows) * sb + i * sr;
+      const int64_t n = visible(i, offset, w);
+      float m = -__builtin_inff();
+#pragma omp simd reduction(max : m)
+      for (int64_t j = 0; j < n; ++j) m = std::max(m, IO<T>::load(row, j));
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < n; ++j) {
+        ep[j] = exp_approx(scale * (IO<T>::load(row, j) - m));
+        sum += ep[j];
+      }
+      const float inv = 1.0f / sum;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) IO<T>::store(row, j, ep[j] * inv);
+      std::memset(static_cast<void*>(row + n), 0, sizeof(T) * (w - n));
+    }
+  });
+}
+
+template <typename T>
+void softmax_backward_rows(T* dp, const T* p, int64_t batch, int64_t rows, int64_t w, int64_t sb, int64_t sr,
+                           int64_t psb, int64_t psr, int64_t offset, float scale) {
+  at::parallel_for(0, batch * rows, kGrainSoftmaxRows, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t b = q / rows, i = q % rows;
+      T* d = dp + b * sb + i * sr;
+      const T* pr = p + b * psb + i * psr;
+      const int64_t n = visible(i, offset, w);
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < n; ++j) dot += IO<T>::load(pr, j) * IO<T>::load(d, j);
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) IO<T>::store(d, j, scale * IO<T>::load(pr, j) * (IO<T>::load(d, j) - dot));
+      std::memset(static_cast<void*>(d + n), 0, sizeof(T) * (w - n));
+    }
+  });
+}
+
+// scores (B, R, W), overwritten with the probabilities; returns it.
+torch::Tensor causal_softmax_forward_(torch::Tensor scores, double scale, int64_t offset) {
+  check_block(scores, "scores");
+  TORCH_CHECK(offset >= 0 && scores.size(2) > 0, "cpu_kernels: causal_softmax needs offset >= 0 and a key");
+  on_dtype(scores, [&](auto tag) {
+    using T = decltype(tag);
+    softmax_rows(scores.data_ptr<T>(), scores.size(0), scores.size(1), scores.size(2), scores.stride(0),
+                 scores.stride(1), offset, static_cast<float>(scale));
+  });
+  return scores;
+}
+
+// dp (B, R, W) = dL/dp, overwritten with dL/dscores; p the forward's probabilities; returns dp.
+torch::Tensor causal_softmax_backward_(torch::Tensor dp, torch::Tensor p, double scale, int64_t offset) {
+  check_block(dp, "dp");
+  check_block(p, "p");
+  TORCH_CHECK(dp.sizes() == p.sizes() && dp.scalar_type() == p.scalar_type(), "cpu_kernels: dp and p must match");
+  TORCH_CHECK(offset >= 0 && p.size(2) > 0, "cpu_kernels: causal_softmax needs offset >= 0 and a key");
+  on_dtype(p, [&](auto tag) {
+    using T = decltype(tag);
+    softmax_backward_rows(dp.data_ptr<T>(), p.data_ptr<T>(), p.size(0), p.size(1), p.size(2), dp.stride(0),
+                          dp.stride(1), p.stride(0), p.stride(1), offset, static_cast<float>(scale));
+  });
+  return dp;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -207,4 +303,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_backward", &swiglu_backward, "(dh, [dgate]) of swiglu_forward");
   m.def("silu_mul_forward", &silu_mul_forward, "silu(g) * u for separate (M, H) g and u");
   m.def("silu_mul_backward", &silu_mul_backward, "(dg, du) of silu_mul_forward");
+  m.def("causal_softmax_forward_", &causal_softmax_forward_, "causal softmax of scale * scores, in place");
+  m.def("causal_softmax_backward_", &causal_softmax_backward_, "scale * (gradient of the causal softmax), in place over dp");
 }
