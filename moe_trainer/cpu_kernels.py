@@ -3,6 +3,7 @@
 - SwiGLU: used by the routed experts (moe/experts.py) and by every dense SwiGLU
   (models/layers.py: Llama's and DeepSeek's dense FFNs, the shared experts).
 - Causal softmax: used by the explicit CPU attention (models/layers.py).
+- RMSNorm: used by every norm of both models (models/layers.py).
 Each runs when its tensors are on a CPU in fp32 or bf16.
 
 Like DeepSpeed's CPU ops, it is compiled once per machine (~20 s, g++ and ninja via
@@ -51,7 +52,8 @@ def enabled() -> bool:
 
 def kernels() -> Optional[Any]:
     """The extension module (swiglu_forward/backward for [g | u] rows, silu_mul_forward/backward for
-    separate g and u, causal_softmax_forward_/backward_), or None when turned off or unbuildable."""
+    separate g and u, causal_softmax_forward_/backward_, rms_norm_forward/backward), or None when
+    turned off or unbuildable."""
     if "ops" in _CACHE:
         return _CACHE["ops"]
     ops = None

@@ -3,7 +3,8 @@
 SwiGLU: forward, backward and the gate gradient, fp32 and bf16, odd sizes, with and without a
 gate, NaN propagation, and the routed experts end to end with the kernel on and off. Causal
 softmax: forward and backward against a masked float64 softmax (offsets, strided blocks), and the
-explicit CPU attention with it (blocked GEMMs) against its torch-op path and SDPA."""
+explicit CPU attention with it (blocked GEMMs) against its torch-op path and SDPA. RMSNorm: output
+and both gradients against the torch-op path and float64."""
 import math
 
 import pytest
@@ -214,3 +215,55 @@ def test_causal_softmax_kernel_nan_stays_in_its_row(ops):
         p = ops.causal_softmax_forward_(s, 1.0, 0)
         assert torch.isnan(p[1, 3, :4]).all() and torch.isfinite(p[1, [0, 1, 2, 4, 5]]).all()
         assert torch.isfinite(p[0]).all()
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 5), (3, 7), (2, 33, 96), (4, 64, 512)])
+def test_fused_rms_norm_equals_torch_ops(ops, monkeypatch, dtype, shape):
+    """RMSNorm on CPU (the fused kernel) against its torch-op path and float64 autograd: output, dx, dw."""
+    from moe_trainer.models.layers import RMSNorm
+    gen = torch.Generator().manual_seed(shape[-1])
+    x64 = torch.randn(*shape, generator=gen, dtype=torch.float64) * 3
+    w64 = torch.randn(shape[-1], generator=gen, dtype=torch.float64) * 0.5 + 1
+    g64 = torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    def run():
+        norm = RMSNorm(shape[-1], eps=1e-5).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(w64)
+        x = x64.to(dtype).requires_grad_()
+        y = norm(x)
+        y.backward(g64.to(dtype))
+        return y, [y.detach(), x.grad, norm.weight.grad]
+
+    y, fused = run()
+    assert type(y.grad_fn).__name__.startswith("FusedRMSNorm")
+    _reference(monkeypatch)
+    y_ref, torch_ops = run()
+    assert not type(y_ref.grad_fn).__name__.startswith("FusedRMSNorm")
+    x, w = x64.clone().requires_grad_(), w64.clone().requires_grad_()
+    truth = w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    truth.backward(g64)
+    for a, b, ref in zip(fused, torch_ops, [truth.detach(), x.grad, w.grad]):
+        assert a.dtype == dtype
+        if dtype == torch.float32:
+            assert _rel(a, ref) < 2e-6
+        else:  # the same two roundings as the torch ops (normalised row, then the gain)
+            assert _rel(a, b) < 1e-2 and _rel(a, ref) < 1.5 * _rel(b, ref) + 2e-3
+
+
+def test_rms_norm_other_weight_dtype_uses_torch_ops(ops):
+    from moe_trainer.models.layers import RMSNorm
+    norm = RMSNorm(8)  # fp32 weight
+    y = norm(torch.randn(3, 8, dtype=torch.bfloat16, requires_grad=True))
+    assert y.dtype == torch.float32 and not type(y.grad_fn).__name__.startswith("FusedRMSNorm")
+
+
+def test_fused_rms_norm_nan_stays_in_its_row(ops):
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(4, 16).to(dtype)
+        x[2, 5] = float("nan")
+        y, rstd = ops.rms_norm_forward(x, torch.ones(16, dtype=dtype), 1e-6)
+        assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3]]).all()

@@ -15,12 +15,22 @@
 //   forward:  p_j = exp(scale * (s_j - max_k s_k)) / sum_k exp(...)    over visible j, else 0
 //   backward: ds_j = scale * p_j * (dp_j - sum_k p_k dp_k)              (in place over dp)
 //
-// Everything is computed in fp32 and rounded once on store (bf16: round to nearest even).
+// RMSNorm, for every norm of both models (models/layers.py): one pass each way instead of torch's
+// cast, square, mean, rsqrt, scale, cast and gain (forward) and their backward chain. Rounds where
+// the reference rounds: the normalised row to the input dtype before the gain, as Llama and
+// DeepSeek-V3 do.
+//   forward:  r = 1 / sqrt(mean_j x_j^2 + eps),  y_j = w_j * round(x_j r)       (r saved, fp32)
+//   backward: dn_j = round(dy_j w_j),  dx_j = r (dn_j - n_j mean_k(dn_k n_k)),  n = x r
+//             dw_j = sum over rows of dy_j round(x_j r)                          (fp32 accumulation)
+//
+// Everything is computed in fp32 and rounded on store (bf16: round to nearest even), once except
+// where a reference rounds in between (RMSNorm).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -296,6 +306,100 @@ torch::Tensor causal_softmax_backward_(torch::Tensor dp, torch::Tensor p, double
   return dp;
 }
 
+// ------------------------------------------------------------------------------ RMSNorm
+
+constexpr int64_t kGrainNormRows = 16;
+
+template <typename T> inline float round_to(float v) { return v; }
+template <> inline float round_to<c10::BFloat16>(float v) {  // to nearest even, as IO<bf16>::store
+  uint32_t u = float_to_bits(v);
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+  u = nan ? (u | 0x00400000u) : u + 0x7fffu + ((u >> 16) & 1u);
+  return bits_to_float(u & 0xffff0000u);
+}
+
+void check_norm(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && w.device().is_cpu() && w.is_contiguous() && w.dim() == 1 &&
+                  x.size(-1) == w.size(0),
+              "cpu_kernels: rms_norm needs contiguous CPU x (..., N) and weight (N,)");
+  TORCH_CHECK((x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) &&
+                  w.scalar_type() == x.scalar_type(),
+              "cpu_kernels: rms_norm needs float32 or bfloat16 x and a weight of the same dtype");
+}
+
+// -> (y like x, rstd (rows,) fp32)
+std::vector<torch::Tensor> rms_norm_forward(torch::Tensor x, torch::Tensor w, double eps) {
+  check_norm(x, w);
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  auto y = torch::empty_like(x);
+  auto rstd = torch::empty({rows}, x.options().dtype(torch::kFloat));
+  on_dtype(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    const T* wp = w.data_ptr<T>();
+    T* yp = y.data_ptr<T>();
+    float* rp = rstd.data_ptr<float>();
+    at::parallel_for(0, rows, kGrainNormRows, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* xr = xp + r * n;
+        T* yr = yp + r * n;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t j = 0; j < n; ++j) ss += IO<T>::load(xr, j) * IO<T>::load(xr, j);
+        const float rs = 1.0f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+        rp[r] = rs;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) IO<T>::store(yr, j, IO<T>::load(wp, j) * round_to<T>(IO<T>::load(xr, j) * rs));
+      }
+    });
+  });
+  return {y, rstd};
+}
+
+// -> (dx like x, dw (N,) fp32)
+std::vector<torch::Tensor> rms_norm_backward(torch::Tensor dy, torch::Tensor x, torch::Tensor w, torch::Tensor rstd) {
+  check_norm(x, w);
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type() && dy.is_contiguous(),
+              "cpu_kernels: rms_norm_backward needs dy like x");
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  TORCH_CHECK(rstd.scalar_type() == torch::kFloat && rstd.numel() == rows, "cpu_kernels: rstd must be (rows,) fp32");
+  auto dx = torch::empty_like(x);
+  const int64_t threads = at::get_num_threads();
+  auto partial = torch::zeros({threads, n}, x.options().dtype(torch::kFloat));  // per-thread dw sums
+  on_dtype(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T *xp = x.data_ptr<T>(), *wp = w.data_ptr<T>(), *dyp = dy.data_ptr<T>();
+    T* dxp = dx.data_ptr<T>();
+    const float* rp = rstd.data_ptr<float>();
+    float* pp = partial.data_ptr<float>();
+    at::parallel_for(0, rows, kGrainNormRows, [&](int64_t r0, int64_t r1) {
+      float* __restrict__ dw = pp + at::get_thread_num() * n;
+      std::vector<float> dn(n);
+      float* __restrict__ dnp = dn.data();
+      for (int64_t r = r0; r < r1; ++r) {
+        const T *xr = xp + r * n, *dyr = dyp + r * n;
+        T* dxr = dxp + r * n;
+        const float rs = rp[r];
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t j = 0; j < n; ++j) {
+          const float d = round_to<T>(IO<T>::load(dyr, j) * IO<T>::load(wp, j));
+          dnp[j] = d;
+          dot += d * IO<T>::load(xr, j);
+        }
+        const float mean = dot * rs / static_cast<float>(n);  // mean_k(dn_k n_k), n = x r
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) {
+          const float xn = IO<T>::load(xr, j) * rs;
+          dw[j] += IO<T>::load(dyr, j) * round_to<T>(xn);
+          IO<T>::store(dxr, j, rs * (dnp[j] - xn * mean));
+        }
+      }
+    });
+  });
+  return {dx, partial.sum(0)};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -303,6 +407,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_backward", &swiglu_backward, "(dh, [dgate]) of swiglu_forward");
   m.def("silu_mul_forward", &silu_mul_forward, "silu(g) * u for separate (M, H) g and u");
   m.def("silu_mul_backward", &silu_mul_backward, "(dg, du) of silu_mul_forward");
+  m.def("rms_norm_forward", &rms_norm_forward, "(y, rstd) of RMSNorm, rounding as the reference");
+  m.def("rms_norm_backward", &rms_norm_backward, "(dx, dw fp32) of rms_norm_forward");
   m.def("causal_softmax_forward_", &causal_softmax_forward_, "causal softmax of scale * scores, in place");
   m.def("causal_softmax_backward_", &causal_softmax_backward_, "scale * (gradient of the causal softmax), in place over dp");
 }

@@ -15,7 +15,10 @@ from .. import cpu_kernels
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, cast back to the input dtype before the gain."""
+    """RMSNorm computed in fp32, cast back to the input dtype before the gain.
+
+    On a CPU (fp32 or bf16, weight in the input's dtype) one fused C++ pass each way
+    (cpu_kernels.py, FusedRMSNorm) replaces the seven ops below and their backward."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -23,10 +26,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == x.dtype and cpu_kernels.ops_for(x, self.weight) is not None:
+            return FusedRMSNorm.apply(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm.forward by the fused CPU kernel; saves x and the per-row 1/rms (fp32)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = cpu_kernels.kernels().rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = cpu_kernels.kernels().rms_norm_backward(dy.contiguous(), x, weight, rstd)
+        return dx, dw.to(weight.dtype), None
 
 
 class SwiGLU(nn.Module):
