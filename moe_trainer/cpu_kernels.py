@@ -4,7 +4,9 @@
   (models/layers.py: Llama's and DeepSeek's dense FFNs, the shared experts).
 - Causal softmax: used by the explicit CPU attention (models/layers.py).
 - RMSNorm: used by every norm of both models (models/layers.py).
-Each runs when its tensors are on a CPU in fp32 or bf16.
+- Routing: a row-wise top-k (moe/router.py) and a stable counting sort of expert ids
+  (moe/dispatcher.py, parallel/expert.py).
+The float kernels run when their tensors are on a CPU in fp32 or bf16.
 
 Like DeepSpeed's CPU ops, it is compiled once per machine (~20 s, g++ and ninja via
 torch.utils.cpp_extension) into MOE_TRAINER_KERNEL_DIR (default
@@ -52,8 +54,8 @@ def enabled() -> bool:
 
 def kernels() -> Optional[Any]:
     """The extension module (swiglu_forward/backward for [g | u] rows, silu_mul_forward/backward for
-    separate g and u, causal_softmax_forward_/backward_, rms_norm_forward/backward), or None when
-    turned off or unbuildable."""
+    separate g and u, causal_softmax_forward_/backward_, rms_norm_forward/backward, topk_rows,
+    counting_sort), or None when turned off or unbuildable."""
     if "ops" in _CACHE:
         return _CACHE["ops"]
     ops = None
@@ -79,6 +81,13 @@ def ops_for(*tensors: torch.Tensor) -> Optional[Any]:
     dtype = tensors[0].dtype
     if dtype not in (torch.float32, torch.bfloat16) or any(
             t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in tensors):
+        return None
+    return kernels()
+
+
+def ops_on_cpu(*tensors: torch.Tensor) -> Optional[Any]:
+    """kernels() when every tensor is a contiguous CPU tensor (the caller checks dtypes), else None."""
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         return None
     return kernels()
 

@@ -267,3 +267,51 @@ def test_fused_rms_norm_nan_stays_in_its_row(ops):
         x[2, 5] = float("nan")
         y, rstd = ops.rms_norm_forward(x, torch.ones(16, dtype=dtype), 1e-6)
         assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3]]).all()
+
+
+# ----------------------------------------------------------------------------- routing bookkeeping
+
+@pytest.mark.parametrize("n, e, k", [(1, 1, 1), (5, 8, 8), (300, 64, 6), (1000, 256, 8), (37, 16, 4)])
+def test_topk_rows_equals_torch_topk(ops, n, e, k):
+    """The same index set as torch.topk per row (random scores have no ties), largest first."""
+    gen = torch.Generator().manual_seed(n + e)
+    x = torch.randn(n, e, generator=gen)
+    x[:, ::3] = x[:, ::3].masked_fill(torch.rand(n, (e + 2) // 3, generator=gen) < 0.3, float("-inf"))
+    idx = ops.topk_rows(x, k)
+    ref = x.topk(k, dim=-1).indices
+    assert idx.dtype == torch.int64 and idx.shape == (n, k)
+    assert torch.equal(idx.sort(1).values, ref.sort(1).values)
+    vals = x.gather(1, idx)
+    assert (vals[:, :-1] >= vals[:, 1:]).all()
+
+
+def test_topk_rows_ties_and_nan(ops):
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0], [0.0, float("nan"), 5.0, float("-inf"), 5.0]])
+    assert ops.topk_rows(x, 2).tolist() == [[1, 2], [1, 2]]  # ties to the lower index; NaN ranks first
+    assert ops.topk_rows(x, 5)[1].tolist() == [1, 2, 4, 0, 3]
+
+
+def test_router_uses_the_kernel_and_matches_torch_topk(ops, monkeypatch):
+    from moe_trainer.moe import router as rt
+    r = rt.Router(32, 16, 4, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+                  scoring_func="sigmoid")
+    torch.nn.init.normal_(r.weight, 0, 0.3)
+    r.e_score_correction_bias.copy_(torch.linspace(-0.2, 0.2, 16))
+    x = torch.randn(200, 32)
+    fused = r(x)
+    monkeypatch.setattr(cpu_kernels, "ops_on_cpu", lambda *t: None)
+    ref = r(x)
+    order_f, order_r = fused.topk_idx.argsort(1), ref.topk_idx.argsort(1)
+    assert torch.equal(fused.topk_idx.gather(1, order_f), ref.topk_idx.gather(1, order_r))
+    torch.testing.assert_close(fused.topk_weight.gather(1, order_f), ref.topk_weight.gather(1, order_r))
+
+
+@pytest.mark.parametrize("m, n_keys", [(0, 4), (1, 1), (24576, 64), (1000, 3), (500, 1000)])
+def test_counting_sort_equals_stable_argsort(ops, monkeypatch, m, n_keys):
+    from moe_trainer.moe.dispatcher import sort_by_key
+    keys = torch.randint(0, n_keys, (m,), generator=torch.Generator().manual_seed(m))
+    order, counts = sort_by_key(keys, n_keys)
+    assert torch.equal(order, torch.argsort(keys, stable=True))
+    assert torch.equal(counts, torch.bincount(keys, minlength=n_keys))
+    with pytest.raises(RuntimeError, match="outside"):
+        ops.counting_sort(torch.tensor([0, n_keys]), n_keys)

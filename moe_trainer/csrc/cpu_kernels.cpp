@@ -23,6 +23,11 @@
 //   backward: dn_j = round(dy_j w_j),  dx_j = r (dn_j - n_j mean_k(dn_k n_k)),  n = x r
 //             dw_j = sum over rows of dy_j round(x_j r)                          (fp32 accumulation)
 //
+// Routing bookkeeping, for the router and the dispatchers (moe/router.py, moe/dispatcher.py,
+// parallel/expert.py): a row-wise top-k of the (N, E) selection scores (E is tens to hundreds, k a
+// handful: one insertion pass per row instead of torch.topk's general kernel) and a stable
+// counting sort of expert ids (instead of torch.argsort(stable=True) + torch.bincount).
+//
 // Everything is computed in fp32 and rounded on store (bf16: round to nearest even), once except
 // where a reference rounds in between (RMSNorm).
 #include <torch/extension.h>
@@ -400,6 +405,70 @@ std::vector<torch::Tensor> rms_norm_backward(torch::Tensor dy, torch::Tensor x, 
   return {dx, partial.sum(0)};
 }
 
+// ------------------------------------------------------------------------------ routing
+
+// a ranks above b: larger, with NaN above every number (as torch.topk); ties keep the lower index
+inline bool above(float a, float b) { return (a != a && b == b) || a > b; }
+
+// scores (N, E) fp32 -> (N, k) int64: each row's k largest, largest first, ties to the lower index
+torch::Tensor topk_rows(torch::Tensor scores, int64_t k) {
+  TORCH_CHECK(scores.device().is_cpu() && scores.is_contiguous() && scores.dim() == 2 &&
+                  scores.scalar_type() == torch::kFloat,
+              "cpu_kernels: topk_rows needs a contiguous (N, E) float32 CPU tensor");
+  const int64_t n = scores.size(0), e = scores.size(1);
+  TORCH_CHECK(k >= 1 && k <= e, "cpu_kernels: topk_rows needs 1 <= k <= E");
+  auto idx = torch::empty({n, k}, scores.options().dtype(torch::kLong));
+  const float* sp = scores.data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  at::parallel_for(0, n, 256, [&](int64_t r0, int64_t r1) {
+    std::vector<float> bv(k);
+    std::vector<int64_t> bi(k);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = sp + r * e;
+      int64_t filled = 0;
+      float floor = -__builtin_inff();  // k-th best so far, once k are held (NaN never passes below)
+      for (int64_t j = 0; j < e; ++j) {
+        const float v = row[j];
+        if (filled == k && !(v > floor) && !(v != v && bv[k - 1] == bv[k - 1])) continue;
+        int64_t p = filled < k ? filled++ : k - 1;
+        for (; p > 0 && above(v, bv[p - 1]); --p) {
+          bv[p] = bv[p - 1];
+          bi[p] = bi[p - 1];
+        }
+        bv[p] = v;
+        bi[p] = j;
+        floor = bv[k - 1];
+      }
+      std::memcpy(ip + r * k, bi.data(), sizeof(int64_t) * k);
+    }
+  });
+  return idx;
+}
+
+// keys (M,) int64 in [0, n_keys) -> (order (M,): a stable argsort, counts (n_keys,))
+std::vector<torch::Tensor> counting_sort(torch::Tensor keys, int64_t n_keys) {
+  TORCH_CHECK(keys.device().is_cpu() && keys.is_contiguous() && keys.dim() == 1 && keys.scalar_type() == torch::kLong,
+              "cpu_kernels: counting_sort needs a contiguous 1-D int64 CPU tensor");
+  TORCH_CHECK(n_keys >= 0, "cpu_kernels: counting_sort needs n_keys >= 0");
+  const int64_t m = keys.numel();
+  const int64_t* kp = keys.data_ptr<int64_t>();
+  auto counts = torch::zeros({n_keys}, keys.options());
+  auto order = torch::empty({m}, keys.options());
+  int64_t* cp = counts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i) {
+    TORCH_CHECK(kp[i] >= 0 && kp[i] < n_keys, "cpu_kernels: counting_sort key ", kp[i], " outside [0, ", n_keys, ")");
+    ++cp[kp[i]];
+  }
+  std::vector<int64_t> next(n_keys);
+  for (int64_t j = 0, s = 0; j < n_keys; ++j) {
+    next[j] = s;
+    s += cp[j];
+  }
+  int64_t* op = order.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i) op[next[kp[i]]++] = i;
+  return {order, counts};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -409,6 +478,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_backward", &silu_mul_backward, "(dg, du) of silu_mul_forward");
   m.def("rms_norm_forward", &rms_norm_forward, "(y, rstd) of RMSNorm, rounding as the reference");
   m.def("rms_norm_backward", &rms_norm_backward, "(dx, dw fp32) of rms_norm_forward");
+  m.def("topk_rows", &topk_rows, "each row's k largest (indices), largest first, ties to the lower index");
+  m.def("counting_sort", &counting_sort, "(stable argsort, counts) of small non-negative int64 keys");
   m.def("causal_softmax_forward_", &causal_softmax_forward_, "causal softmax of scale * scores, in place");
   m.def("causal_softmax_backward_", &causal_softmax_backward_, "scale * (gradient of the causal softmax), in place over dp");
 }

@@ -14,6 +14,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from .. import cpu_kernels
+
 
 @dataclass
 class Dispatched:
@@ -28,11 +30,19 @@ class Dispatched:
     weights: Optional[dict] = None
 
 
+def sort_by_key(keys: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable argsort of int64 keys in [0, n_keys) and their counts -> (order, counts (n_keys,)).
+    On a CPU one counting sort (cpu_kernels.py); elsewhere torch.argsort + torch.bincount."""
+    ops = cpu_kernels.ops_on_cpu(keys) if keys.dtype == torch.int64 and keys.dim() == 1 else None
+    if ops is not None:
+        order, counts = ops.counting_sort(keys, n_keys)
+        return order, counts
+    return torch.argsort(keys, stable=True), torch.bincount(keys, minlength=n_keys)
+
+
 def sort_by_expert(topk_idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One stable sort of the N*k assignments -> (order (N*k,), counts (E,))."""
-    flat = topk_idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    return order, torch.bincount(flat, minlength=n_experts)
+    return sort_by_key(topk_idx.reshape(-1).contiguous(), n_experts)
 
 
 def capacity_keep(sorted_expert: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import cpu_kernels
+
 
 @dataclass
 class Routing:
@@ -32,6 +34,15 @@ def group_limited_mask(scores_for_choice: torch.Tensor, n_group: int, topk_group
     chosen = group_scores.topk(topk_group, dim=-1, sorted=False).indices
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
     return group_mask.unsqueeze(-1).expand(n, n_group, e // n_group).reshape(n, e)
+
+
+def topk_indices(choice: torch.Tensor, k: int) -> torch.Tensor:
+    """(N, k) int64 indices of each row's k largest scores. On a CPU one insertion pass per row
+    (cpu_kernels.py: largest first, ties to the lower index); elsewhere torch.topk (unsorted)."""
+    ops = cpu_kernels.ops_on_cpu(choice) if choice.dtype == torch.float32 and choice.dim() == 2 else None
+    if ops is not None:
+        return ops.topk_rows(choice, k)
+    return choice.topk(k, dim=-1, sorted=False).indices
 
 
 class Fp32Logits(torch.autograd.Function):
@@ -78,7 +89,7 @@ class Router(nn.Module):
         choice = scores.detach() + self.e_score_correction_bias  # bias: selection only
         if self.n_group > 1 and self.topk_group < self.n_group:
             choice = choice.masked_fill(~group_limited_mask(choice, self.n_group, self.topk_group), float("-inf"))
-        topk_idx = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        topk_idx = topk_indices(choice, self.top_k)
         weight = scores.gather(1, topk_idx)
         if self.norm_topk_prob:  # also for top_k == 1, as DeepSeek-V3 and Hugging Face do
             weight = weight / (weight.sum(-1, keepdim=True) + 1e-20)

@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..moe.dispatcher import CombineRows, Dispatched, GatherRows, inverse_permutation, route_order, rows_by_token
+from ..moe.dispatcher import (CombineRows, Dispatched, GatherRows, inverse_permutation, route_order, rows_by_token,
+                              sort_by_key)
 from ..moe.experts import Experts
 from ..moe.layer import MoE
 from .comm import CommCounter, _exchange, all_to_all_rows
@@ -139,7 +140,7 @@ class AllToAllDispatcher:
         # 3. regroup received rows (source-major) into local-expert-major order
         local_expert = torch.repeat_interleave(torch.arange(self.n_local, device=x.device).repeat(self.ep),
                                                recv.reshape(-1))
-        regroup = torch.argsort(local_expert, stable=True)
+        regroup, _ = sort_by_key(local_expert, self.n_local)
         unsort = inverse_permutation(regroup)
         gate = GatherRows.apply(topk_weight.reshape(-1), order, inverse, 1)
         ctx = _A2ACtx(token_of, gate, in_splits, out_splits, unsort, n, regroup, by_row, k)
@@ -154,8 +155,8 @@ class AllToAllDispatcher:
         if self.placement is None:
             return order, counts, dropped
         slot = self.placement.slots(topk_idx.reshape(-1))[order]
-        resort = torch.argsort(slot, stable=True)
-        return order[resort], torch.bincount(slot, minlength=self.ep * self.n_local), dropped
+        resort, counts = sort_by_key(slot.contiguous(), self.ep * self.n_local)
+        return order[resort], counts, dropped
 
     def _send(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
               meta: Optional[torch.Tensor] = None):
@@ -241,9 +242,9 @@ class AllToAllDispatcher:
         r_gate, r_id = rmeta[:, :k], rmeta[:, k:].detach().long()
         pair_row, slot = (r_id >= 0).nonzero(as_tuple=True)
         pair_expert = r_id[pair_row, slot]
-        sort = torch.argsort(pair_expert, stable=True)
+        sort, counts = sort_by_key(pair_expert.contiguous(), n_local)
         pair_row, slot, pair_expert = pair_row[sort], slot[sort], pair_expert[sort]
-        counts = torch.bincount(pair_expert, minlength=n_local).tolist()  # host sync
+        counts = counts.tolist()  # host sync
         ctx = _DedupCtx(tokens, pair_row, in_splits, out_splits, received.shape[0], n)
         rows = GatherRows.apply(received, pair_row, None, 1)
         gates = GatherRows.apply(r_gate.reshape(-1), pair_row * k + slot, None, 1)
