@@ -256,6 +256,7 @@ class ExplicitCausalAttention(torch.autograd.Function):
         b, h, t, d = q.shape
         s = k.shape[2]
         q3, k3, v3 = q.reshape(b * h, t, d), k.reshape(b * h, s, d), v.reshape(b * h, s, v.shape[-1])
+        # the fused path depends only on device and dtype (every tensor it touches is made here)
         ops = cpu_kernels.ops_for(q3.new_empty(0)) if t == s and scale > 0 else None
         ctx.scale, ctx.bh, ctx.fused = scale, (b, h), ops is not None
         if ops is None:
