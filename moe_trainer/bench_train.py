@@ -183,8 +183,8 @@ def main(argv=None):
                 m = measure_matmul_tflops(torch.bfloat16 if dt == "bf16" else torch.float32, torch.device("cpu"),
                                           seconds=2.0)
                 roof[dt] = max(roof.get(dt, 0.0), m)
-            print(f"round {rnd + 1} roofline TFLOP/s (all cores): " + ", ".join(f"{k} {v:.3f}" for k, v in roof.items()),
-                  flush=True)
+            print(f"round {rnd + 1} roofline TFLOP/s (all cores): "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in roof.items()), flush=True)
             for dt in dtypes:
                 for run in runs:
                     r = (run_hf(dt, args, keep_freed=run == "hfk") if run.startswith("hf")
@@ -234,13 +234,14 @@ def write_md(args, raw, roof, fpt, results, elapsed):
          f"Model FLOPs {fpt / 1e6:.1f} MFLOP per trained token (metrics.train_flops_per_token: "
          f"activated experts only, causal attention, 3x forward).", "",
          "Roofline: best plain torch.matmul TFLOP/s on the model's projection shapes, all cores "
-         f"(metrics.measure_matmul_tflops; the best of {args.rounds} measurements, one per round): " + ", ".join(f"{k} {v:.3f}" for k, v in roof.items()) + ".", "",
+         f"(metrics.measure_matmul_tflops; the best of {args.rounds} measurements, one per round): "
+         + ", ".join(f"{k} {v:.3f}" for k, v in roof.items()) + ".", "",
          f"transformers: experts_implementation={args.hf_experts}, attn_implementation=sdpa, weights from our "
          f"initial model via `hf.to_hf`, same DeepSpeed config (`parallel.zero.deepspeed_config`) and batches. "
          f"Timed: every run {args.rounds} time(s), interleaved (round 1: every run of every dtype, then "
          f"round 2, ...); median step over the {args.steps - args.warmup} steps after {args.warmup} warm-up "
-         f"steps of every round, pooled (min in brackets). MFU = tokens/s x FLOP/token / roofline (2 ranks: aggregate against the same "
-         f"all-core roofline).", "",
+         f"steps of every round, pooled (min in brackets). MFU = tokens/s x FLOP/token / roofline (2 ranks: "
+         f"aggregate against the same all-core roofline).", "",
          "Split (ours): median seconds per optimizer step in forward / backward / optimizer, from the "
          "trainer's metrics.jsonl `time.*_s`.", "",
          "| run | dtype | step s median (min) | tokens/s (best) | MFU | ours / this | split fwd / bwd / opt s |",

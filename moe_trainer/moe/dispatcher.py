@@ -35,8 +35,7 @@ def sort_by_key(keys: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, torch.Te
     On a CPU one counting sort (cpu_kernels.py); elsewhere torch.argsort + torch.bincount."""
     ops = cpu_kernels.ops_on_cpu(keys) if keys.dtype == torch.int64 and keys.dim() == 1 else None
     if ops is not None:
-        order, counts = ops.counting_sort(keys, n_keys)
-        return order, counts
+        return tuple(ops.counting_sort(keys, n_keys))
     return torch.argsort(keys, stable=True), torch.bincount(keys, minlength=n_keys)
 
 
