@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from .parallel.launch import init_distributed, keep_freed_memory
+    from .parallel.launch import init_distributed, keep_freed_memory, shutdown_distributed
     from .parallel.mesh import build_mesh
     from .trainer import Trainer, TrainingHalted
 
@@ -82,6 +82,7 @@ def main(argv=None) -> int:
     except TrainingHalted as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 3
+    shutdown_distributed()
     if rank == 0:
         print(f"run directory: {os.path.abspath(cfg.run.out_dir)}")
         print(f"tensorboard:   tensorboard --logdir {os.path.abspath(os.path.join(cfg.run.out_dir, 'tensorboard'))}")

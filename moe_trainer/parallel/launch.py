@@ -21,6 +21,18 @@ def init_distributed(timeout_s: int) -> None:
     unlink_shm_segment(dist.get_rank())
 
 
+def shutdown_distributed() -> None:
+    """End a finished run on every rank together: a barrier, then the process group torn down.
+
+    Ranks that simply exit leave their peers' gloo connections to break under them; a
+    rank still tearing down its own process group (e.g. rank 0 after writing the pipeline
+    trace) could then abort in C++ ("terminate called without an active exception",
+    exit -6) after a run that succeeded."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def unlink_shm_segment(rank: int) -> None:
     """DeepSpeed's CPU accelerator never unlinks its ~66 MB /dev/shm workspace per
     rank, so every launch leaks RAM until reboot. Once all ranks have mapped it
