@@ -378,17 +378,21 @@ std::vector<torch::Tensor> rms_norm_backward(torch::Tensor dy, torch::Tensor x, 
     const float* rp = rstd.data_ptr<float>();
     float* pp = partial.data_ptr<float>();
     at::parallel_for(0, rows, kGrainNormRows, [&](int64_t r0, int64_t r1) {
+      // local copies: through the lambda's references GCC re-read the pointers in every
+      // iteration and vectorised the loops with gathers (6x the forward's time)
+      const T* __restrict__ w_ = wp;
       float* __restrict__ dw = pp + at::get_thread_num() * n;
       std::vector<float> dn(n);
       float* __restrict__ dnp = dn.data();
       for (int64_t r = r0; r < r1; ++r) {
-        const T *xr = xp + r * n, *dyr = dyp + r * n;
-        T* dxr = dxp + r * n;
+        const T* __restrict__ xr = xp + r * n;
+        const T* __restrict__ dyr = dyp + r * n;
+        T* __restrict__ dxr = dxp + r * n;
         const float rs = rp[r];
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t j = 0; j < n; ++j) {
-          const float d = round_to<T>(IO<T>::load(dyr, j) * IO<T>::load(wp, j));
+          const float d = round_to<T>(IO<T>::load(dyr, j) * IO<T>::load(w_, j));
           dnp[j] = d;
           dot += d * IO<T>::load(xr, j);
         }
