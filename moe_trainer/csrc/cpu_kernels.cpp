@@ -243,6 +243,9 @@ inline int64_t visible(int64_t i, int64_t offset, int64_t w) { return std::min(i
 template <typename T>
 void softmax_rows(T* x, int64_t batch, int64_t rows, int64_t w, int64_t sb, int64_t sr, int64_t offset, float scale) {
   at::parallel_for(0, batch * rows, kGrainSoftmaxRows, [&](int64_t q0, int64_t q1) {
+    // a local copy: through the capture, every float store may alias `scale` and GCC re-read it
+    // each iteration (a gather per vector)
+    const float sc = scale;
     std::vector<float> e(w);
     float* ep = e.data();
     for (int64_t q = q0; q < q1; ++q) {
@@ -255,7 +258,7 @@ void softmax_rows(T* x, int64_t batch, int64_t rows, int64_t w, int64_t sb, int6
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < n; ++j) {
-        ep[j] = exp_approx(scale * (IO<T>::load(row, j) - m));
+        ep[j] = exp_approx(sc * (IO<T>::load(row, j) - m));
         sum += ep[j];
       }
       const float inv = 1.0f / sum;
@@ -270,6 +273,7 @@ template <typename T>
 void softmax_backward_rows(T* dp, const T* p, int64_t batch, int64_t rows, int64_t w, int64_t sb, int64_t sr,
                            int64_t psb, int64_t psr, int64_t offset, float scale) {
   at::parallel_for(0, batch * rows, kGrainSoftmaxRows, [&](int64_t q0, int64_t q1) {
+    const float sc = scale;  // local, as in softmax_rows
     for (int64_t q = q0; q < q1; ++q) {
       const int64_t b = q / rows, i = q % rows;
       T* d = dp + b * sb + i * sr;
@@ -279,7 +283,7 @@ void softmax_backward_rows(T* dp, const T* p, int64_t batch, int64_t rows, int64
 #pragma omp simd reduction(+ : dot)
       for (int64_t j = 0; j < n; ++j) dot += IO<T>::load(pr, j) * IO<T>::load(d, j);
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) IO<T>::store(d, j, scale * IO<T>::load(pr, j) * (IO<T>::load(d, j) - dot));
+      for (int64_t j = 0; j < n; ++j) IO<T>::store(d, j, sc * IO<T>::load(pr, j) * (IO<T>::load(d, j) - dot));
       std::memset(static_cast<void*>(d + n), 0, sizeof(T) * (w - n));
     }
   });
