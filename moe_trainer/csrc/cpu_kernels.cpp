@@ -66,6 +66,13 @@ inline float exp_approx(float x) {
   return p * bits_to_float(static_cast<uint32_t>(e + 127) << 23);
 }
 
+// v rounded to bf16 (nearest even; a quiet NaN stays NaN), as fp32 bits whose low 16 are don't-care
+inline uint32_t bf16_rounded_bits(float v) {
+  const uint32_t u = float_to_bits(v);
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+  return nan ? (u | 0x00400000u) : u + 0x7fffu + ((u >> 16) & 1u);
+}
+
 template <typename T> struct IO;
 template <> struct IO<float> {
   static inline float load(const float* p, int64_t i) { return p[i]; }
@@ -76,10 +83,7 @@ template <> struct IO<c10::BFloat16> {
     return bits_to_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16);
   }
   static inline void store(c10::BFloat16* p, int64_t i, float v) {
-    uint32_t u = float_to_bits(v);
-    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
-    u = nan ? (u | 0x00400000u) : u + 0x7fffu + ((u >> 16) & 1u);  // quiet NaN stays NaN
-    reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(u >> 16);
+    reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(bf16_rounded_bits(v) >> 16);
   }
 };
 
@@ -320,11 +324,8 @@ torch::Tensor causal_softmax_backward_(torch::Tensor dp, torch::Tensor p, double
 constexpr int64_t kGrainNormRows = 16;
 
 template <typename T> inline float round_to(float v) { return v; }
-template <> inline float round_to<c10::BFloat16>(float v) {  // to nearest even, as IO<bf16>::store
-  uint32_t u = float_to_bits(v);
-  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
-  u = nan ? (u | 0x00400000u) : u + 0x7fffu + ((u >> 16) & 1u);
-  return bits_to_float(u & 0xffff0000u);
+template <> inline float round_to<c10::BFloat16>(float v) {  // as IO<bf16>::store rounds
+  return bits_to_float(bf16_rounded_bits(v) & 0xffff0000u);
 }
 
 void check_norm(const torch::Tensor& x, const torch::Tensor& w) {
