@@ -165,3 +165,74 @@ def test_fp32_logits_router_gemm():
         for a, b in ((x.grad, xr.grad), (w.grad, wr.grad)):
             err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
             assert err <= tol, (dtype, err)
+
+
+# ---------------------------------------------------------------- expert GEMMs on rows padded to a quantum
+
+def _record_mm(monkeypatch) -> list:
+    """Records the rows of every torch.mm call (forward and backward) from here on: the output's,
+    or for a weight gradient a^T b the rows it sums over."""
+    shapes, mm = [], torch.mm
+
+    def recording(a, b, **kw):
+        shapes.append(a.shape[0] if a.is_contiguous() else a.shape[1])  # output rows, or a^T b's reduction rows
+        return mm(a, b, **kw)
+
+    monkeypatch.setattr(torch, "mm", recording)
+    return shapes
+
+
+@pytest.mark.parametrize("q", [4, 16])
+@pytest.mark.parametrize("block", [3, 2048])
+@pytest.mark.parametrize("with_gate", [True, False])
+def test_padded_experts_equal_grouped(q, block, with_gate, monkeypatch):
+    """Every GEMM of PaddedSwiGLUExperts has a multiple of q rows (or reduces over one), and the
+    outputs and all gradients equal GroupedSwiGLUExperts' on the same inputs, including experts
+    whose padding runs past the end of the caller's tensors and empty experts."""
+    monkeypatch.setattr(ex.expert_blocks, "__defaults__", (block,))
+    counts = (5, 0, 7, 3, 17, 0, 2)
+    x, w1, w2, gate, counts = _expert_inputs(torch.float32, counts=counts, d=8, hid=8)
+    gate = gate if with_gate else None
+    leaves = [t for t in (x, w1, w2, gate) if t is not None]
+    dy = torch.linspace(-1, 1, x.numel()).view_as(x)
+    results = []
+    shapes = _record_mm(monkeypatch)
+    for padded in (True, False):
+        if padded:
+            y = ex.PaddedSwiGLUExperts.apply(x, w1, w2, gate, counts, q)
+        else:
+            y = ex.GroupedSwiGLUExperts.apply(x, w1, w2, gate, counts, False)
+        results.append((y, *torch.autograd.grad(y, leaves, dy)))
+        if padded:
+            assert len(shapes) == 6 * sum(1 for c in counts if c) and all(r % q == 0 for r in shapes), shapes
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert torch.equal(results[0][2][1], torch.zeros_like(w1[1]))  # an empty expert's gradients: zeros
+    assert torch.equal(results[0][3][5], torch.zeros_like(w2[5]))
+
+
+def test_padded_experts_gradcheck(small_blocks):
+    x, w1, w2, gate, counts = _expert_inputs(torch.float64)
+    fn = lambda x, w1, w2, g: ex.PaddedSwiGLUExperts.apply(x, w1, w2, g, counts, 4)
+    assert gradcheck(fn, (x, w1, w2, gate), eps=1e-6, atol=1e-5)
+
+
+def test_experts_pick_padded_rows_for_cpu_bf16(monkeypatch):
+    """The module takes the padded path for CPU bf16 (oneDNN's per-shape kernels) and the plain one
+    for fp32, with the same results as the loop reference."""
+    assert ex.row_quantum(torch.empty(1, dtype=torch.bfloat16)) == ex.EXPERT_ROW_QUANTUM
+    assert ex.row_quantum(torch.empty(1)) == 1
+    torch.manual_seed(0)
+    counts = [37, 0, 80, 5, 33]
+    fast, ref = ex.Experts(5, 32, 24, impl="grouped"), ex.Experts(5, 32, 24, impl="loop")
+    for m in (fast, ref):
+        torch.manual_seed(0)
+        torch.nn.init.normal_(m.gate_up_proj, std=0.2)
+        torch.nn.init.normal_(m.down_proj, std=0.2)
+        m.to(torch.bfloat16)
+    x = torch.randn(sum(counts), 32).to(torch.bfloat16)
+    shapes = _record_mm(monkeypatch)
+    y = fast(x, counts, None)
+    assert len(shapes) == 8 and all(r % ex.EXPERT_ROW_QUANTUM == 0 for r in shapes)
+    y_ref = ref(x, counts, None)
+    assert (y.float() - y_ref.float()).norm() / y_ref.float().norm() < 1e-2

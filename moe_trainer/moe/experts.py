@@ -219,6 +219,139 @@ class GroupedSwiGLUExperts(torch.autograd.Function):
         return dx, dw1, dw2, dgate, None, None
 
 
+# ----------------------------------------------------------------------------- rows in multiples of a quantum
+
+# torch's CPU GEMM for bf16/fp16 is oneDNN, which compiles (JITs) a kernel for each GEMM shape and
+# caches ~1024 of them. Per-expert row counts change every micro-batch, so exact-row GEMMs keep
+# meeting new shapes: 100 experts of 100-400 rows ([m, 256] x [256, 256], one thread) ran at
+# 80-240 GFLOP/s where the same GEMMs on cached shapes run at ~390. Rounding every expert's rows up to
+# a multiple of 16 bounds the shapes (all cached after a few steps) for ~3% padding work at 256-row
+# experts; fp32 goes through MKL, which compiles nothing, and GPUs have real grouped GEMMs.
+EXPERT_ROW_QUANTUM = 16
+
+
+def row_quantum(x: torch.Tensor) -> int:
+    """Row multiple for x's expert GEMMs: EXPERT_ROW_QUANTUM on oneDNN's per-shape path, else 1."""
+    return EXPERT_ROW_QUANTUM if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) else 1
+
+
+def padded_rows(counts: list[int], q: int) -> list[tuple[int, int, int, int]]:
+    """(s, m, p, mp) per expert: its m rows start at s in the caller's tensors and at p in the
+    padded ones, where it owns mp = m rounded up to a multiple of q (0 for an empty expert)."""
+    rows, s, p = [], 0, 0
+    for m in counts:
+        mp = -(-m // q) * q
+        rows.append((s, m, p, mp))
+        s, p = s + m, p + mp
+    return rows
+
+
+def _rows_in(t: torch.Tensor, s: int, m: int, mp: int) -> torch.Tensor:
+    """mp rows standing for t[s:s+m]: t's own next rows when it has them (they belong to later
+    experts and only ever meet zero rows of the other operand), else a zero-padded copy."""
+    if s + mp <= t.shape[0]:
+        return t[s:s + mp]
+    out = t.new_zeros(mp, t.shape[1])
+    out[:m] = t[s:s + m]
+    return out
+
+
+def _mm_to_rows(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, s: int, m: int) -> None:
+    """out[s:s+m] = (a @ b)[:m] for a of mp >= m rows. The mp - m extra result rows land on the
+    next rows of `out` when it has them: those belong to later experts, which overwrite them, so
+    callers go through the experts in ascending order."""
+    mp = a.shape[0]
+    if s + mp <= out.shape[0]:
+        torch.mm(a, b, out=out[s:s + mp])
+    else:
+        out[s:s + m] = torch.mm(a, b)[:m]
+
+
+class PaddedSwiGLUExperts(torch.autograd.Function):
+    """GroupedSwiGLUExperts with every GEMM on rows rounded up to a multiple of q (row_quantum).
+
+    The pre-activation, the SwiGLU output and their gradients live in a padded layout where
+    expert e owns mp rows; their pad rows carry a zero gate, so the SwiGLU output and the
+    pre-activation gradient are exactly zero there whatever the pre-activation holds. The
+    caller's tensors (x, dy, out, dx) stay unpadded: an expert's GEMM reads or writes the next
+    mp - m rows of them (later experts' rows) instead of padding, which costs nothing and
+    changes no result: those inputs only meet the zero rows in the weight-gradient sums, and
+    those outputs are overwritten by their own expert. Only the last expert of a tensor needs a
+    zero-padded copy. Results equal GroupedSwiGLUExperts' (tests/test_moe_kernels.py)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, gate, counts, q):
+        out = x.new_empty(x.shape[0], w2.shape[1])
+        w1t, w2t = w1.transpose(1, 2), w2.transpose(1, 2)
+        rows = padded_rows(counts, q)
+        blocks = expert_blocks(counts)
+        gate_dtype = torch.promote_types(x.dtype if gate is None else gate.dtype, torch.float32)
+        hs, acts, gates = [], [], []
+        for e0, e1, _, _ in blocks:
+            p0, p1 = rows[e0][2], rows[e1 - 1][2] + rows[e1 - 1][3]
+            h = x.new_empty(p1 - p0, w1.shape[1])
+            g = torch.zeros(p1 - p0, dtype=gate_dtype, device=x.device)  # zero on pad rows
+            for e in range(e0, e1):
+                s, m, p, mp = rows[e]
+                if m:
+                    torch.mm(_rows_in(x, s, m, mp), w1t[e], out=h[p - p0:p - p0 + mp])
+                    g[p - p0:p - p0 + m] = 1.0 if gate is None else gate[s:s + m]
+            a = swiglu_forward(h, g, block=p1 - p0)
+            for e in range(e0, e1):
+                s, m, p, mp = rows[e]
+                if m:
+                    _mm_to_rows(a[p - p0:p - p0 + mp], w2t[e], out, s, m)
+            hs.append(h)
+            acts.append(a)
+            gates.append(g)
+        ctx.save_for_backward(w1, w2, gate, x, *hs, *acts, *gates)
+        ctx.rows, ctx.blocks = rows, blocks
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        w1, w2, gate, x, *saved = ctx.saved_tensors
+        nb = len(ctx.blocks)
+        hs, acts, gates = saved[:nb], saved[nb:2 * nb], saved[2 * nb:]
+        rows = ctx.rows
+        need_x, need_w1, need_w2, need_gate = ctx.needs_input_grad[:4]
+        need_gate = need_gate and gate is not None
+        dy = dy.contiguous()
+        dx = x.new_empty(x.shape) if need_x else None
+        dw1 = w1.new_empty(w1.shape) if need_w1 else None
+        dw2 = w2.new_empty(w2.shape) if need_w2 else None
+        for e, (_, m, _, _) in enumerate(rows):
+            if not m:  # an empty expert's gradients are zeros
+                for w in (dw1, dw2):
+                    if w is not None:
+                        w[e].zero_()
+        dgate = gate.new_empty(gate.shape) if need_gate else None
+        for (e0, e1, _, _), h, a, g in zip(ctx.blocks, hs, acts, gates):
+            p0 = rows[e0][2]
+            da = dy.new_empty(h.shape[0], w2.shape[2])
+            for e in range(e0, e1):
+                s, m, p, mp = rows[e]
+                if m:
+                    dy_e = _rows_in(dy, s, m, mp)
+                    if need_w2:
+                        torch.mm(dy_e.t(), a[p - p0:p - p0 + mp], out=dw2[e])
+                    torch.mm(dy_e, w2[e], out=da[p - p0:p - p0 + mp])
+            dh, dg = swiglu_backward(da, h, g, need_gate, block=h.shape[0])
+            del da
+            for e in range(e0, e1):
+                s, m, p, mp = rows[e]
+                if not m:
+                    continue
+                dh_e = dh[p - p0:p - p0 + mp]
+                if need_w1:
+                    torch.mm(dh_e.t(), _rows_in(x, s, m, mp), out=dw1[e])
+                if need_x:
+                    _mm_to_rows(dh_e, w1[e], dx, s, m)
+                if dg is not None:
+                    dgate[s:s + m] = dg[p - p0:p - p0 + m]
+        return dx, dw1, dw2, dgate, None, None
+
+
 def _grouped_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return GROUPED_MM and x.dtype in _GROUPED_DTYPES and all(_aligned(t) for t in (x,) + weights)
 
@@ -244,6 +377,9 @@ class Experts(nn.Module):
         if x.shape[0] == 0:
             # no tokens: keep the weights in the graph so they get (zero) gradients
             return x + 0.0 * (self.gate_up_proj.sum() + self.down_proj.sum()).to(x.dtype)
+        q = row_quantum(x)
+        if q > 1 and self.impl != "loop":
+            return PaddedSwiGLUExperts.apply(x.contiguous(), self.gate_up_proj, self.down_proj, gate, counts, q)
         return self._forward(x, counts, gate)
 
     def _swiglu(self, h: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
