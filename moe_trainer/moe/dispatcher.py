@@ -76,33 +76,28 @@ class GatherRows(torch.autograd.Function):
 
     `inverse` (or None) is the sorted position of each routed copy: with it, src row t
     was copied to rows inverse[t*k : t*k+k], so grad_src[t] = sum of those rows'
-    gradients (k = 1: a pure permutation). Without it (dropped copies), index_add_.
-    `zero_rows` (or None): rows of the output set to zero (padding; needs `inverse`)."""
+    gradients (k = 1: a pure permutation). Without it (dropped copies), index_add_."""
 
     @staticmethod
-    def forward(ctx, src, index, inverse, k, zero_rows=None):
+    def forward(ctx, src, index, inverse, k):
         ctx.save_for_backward(index, inverse)
         ctx.k, ctx.src_shape = k, src.shape
-        out = src.index_select(0, index)
-        if zero_rows is not None:
-            assert inverse is not None, "padding rows need the inverse map"
-            out.index_fill_(0, zero_rows, 0)
-        return out
+        return src.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad):
         index, inverse = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
+            return None, None, None, None
         if inverse is not None:
             if grad.dim() == 1:
                 g = grad.index_select(0, inverse)
                 g = g.view(-1, ctx.k).sum(1) if ctx.k > 1 else g
             else:
                 g = sum_copies(grad.contiguous(), inverse, ctx.k)
-            return g.view(ctx.src_shape), None, None, None, None
+            return g.view(ctx.src_shape), None, None, None
         out = grad.new_zeros(ctx.src_shape)
-        return out.index_add_(0, index, grad), None, None, None, None
+        return out.index_add_(0, index, grad), None, None, None
 
 
 class CombineRows(torch.autograd.Function):
@@ -137,43 +132,20 @@ def rows_by_token(inverse: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 @dataclass
 class _LocalCtx:
-    token_of: torch.Tensor  # (M,) source token of each sorted row (padding rows: token 0)
+    token_of: torch.Tensor  # (M,) source token of each sorted row
     n_tokens: int
     inverse: Optional[torch.Tensor] = None  # (N, k) flat: sorted rows of each token's copies (ascending); None if dropped
     k: int = 1
 
 
-def padded_layout(order: torch.Tensor, counts: list[int], multiple: int
-                  ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-    """Room for each expert's rows rounded up to `multiple`: (row of each sorted copy in the
-    padded layout (M,), padded counts, the padding rows)."""
-    padded = [-(-c // multiple) * multiple for c in counts]
-    dev = order.device
-    shift = torch.tensor([p - c for p, c in zip(padded, counts)], device=dev).cumsum(0)
-    shift = torch.cat([shift.new_zeros(1), shift[:-1]])  # padding rows before each expert
-    dst = torch.arange(order.numel(), device=dev) + torch.repeat_interleave(
-        shift, torch.tensor(counts, device=dev), output_size=order.numel())
-    is_pad = torch.ones(sum(padded), dtype=torch.bool, device=dev)
-    is_pad[dst] = False
-    return dst, padded, is_pad.nonzero().view(-1)
-
-
 class LocalDispatcher:
     """All experts on this rank: gather by a sort, combine by a gather-and-sum.
+    (The experts round their GEMM rows up themselves where the GEMM library needs it:
+    experts.row_quantum.)"""
 
-    Dropless batches with many rows per expert get each expert's rows padded with zero
-    rows up to a multiple of `pad_multiple` (when the mean count is at least
-    `pad_min_mean` rows). The zero rows change no output or gradient; they make the
-    per-expert GEMM shapes repeat, so the CPU GEMM library (oneDNN) creates and
-    caches a few kernels instead of one per distinct expert count (each costs memory,
-    ~0.5 MB, and a JIT compile whenever the routing changes).
-    """
-
-    def __init__(self, n_experts: int, capacity_factor: Optional[float] = None,
-                 pad_multiple: int = 16, pad_min_mean: int = 128):
+    def __init__(self, n_experts: int, capacity_factor: Optional[float] = None):
         self.n_experts = n_experts
         self.capacity_factor = capacity_factor
-        self.pad_multiple, self.pad_min_mean = pad_multiple, pad_min_mean
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> Dispatched:
         n, k = topk_idx.shape
@@ -186,19 +158,10 @@ class LocalDispatcher:
             xs = GatherRows.apply(x, token_of, None, k)
             return Dispatched(xs, gate, counts, _LocalCtx(token_of, n), dropped)
         inverse = inverse_permutation(order)
-        pad_rows = None
-        if self.pad_multiple > 1 and m >= self.pad_min_mean * len(counts):
-            dst, counts, pad_rows = padded_layout(order, counts, self.pad_multiple)
-            if pad_rows.numel():
-                padded_order = order.new_zeros(sum(counts))  # padding rows read copy 0 (then zeroed)
-                padded_order[dst] = order
-                order, inverse = padded_order, dst[inverse]
-            else:
-                pad_rows = None
         token_of = order // k
         gate = GatherRows.apply(topk_weight.reshape(-1), order, inverse, 1)
         by_row = rows_by_token(inverse, n, k)
-        xs = GatherRows.apply(x, token_of, by_row, k, pad_rows)
+        xs = GatherRows.apply(x, token_of, by_row, k)
         return Dispatched(xs, gate, counts, _LocalCtx(token_of, n, by_row, k), dropped)
 
     def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
