@@ -116,6 +116,9 @@ class ParallelConfig:
     micro_batches: int = 0  # per pipeline step; 0 = global_batch / (micro_batch * dp)
     sequence_parallel: bool = True  # with tp > 1
     dedup_dispatch: bool = False  # send a token's hidden state to a rank once
+    # expert all-to-alls between CPU ranks (gloo) of one host: shm (through /dev/shm rings; gloo
+    # wherever that cannot work) | gloo
+    cpu_alltoall: str = "shm"
     recompute: str = "none"  # none | selective | full
     schedule: str = "1f1b"  # pipeline order: 1f1b | gpipe (the reference, m micro-batches in flight)
     pp_partition: Optional[list] = None  # layers per stage, e.g. [2, 3]; None = balanced
@@ -169,6 +172,7 @@ CHOICES = {
     "train.dtype": ("fp32", "bf16"),
     "parallel.recompute": ("none", "selective", "full"),
     "parallel.schedule": ("1f1b", "gpipe"),
+    "parallel.cpu_alltoall": ("shm", "gloo"),
 }
 
 

@@ -1,6 +1,6 @@
 """The all-to-all dispatcher on real gloo ranks against the single-rank MoE layer:
-outputs and gradients, skewed routing that sends everything to one rank, and
-the mesh's group layout."""
+outputs and gradients (over gloo's all-to-all and over the shared-memory one), skewed
+routing that sends everything to one rank, and the mesh's group layout."""
 import os
 
 import pytest
@@ -9,9 +9,10 @@ import torch.distributed as dist
 
 from moe_trainer.config import Layout
 from moe_trainer.moe.layer import MoE
-from moe_trainer.parallel.comm import CommCounter
+from moe_trainer.parallel.comm import CommCounter, use_shm_transport
 from moe_trainer.parallel.expert import AllToAllDispatcher, shard_experts
 from moe_trainer.parallel.mesh import group_ranks
+from moe_trainer.parallel.shm_alltoall import ShmAllToAll
 
 from conftest import spawn_ranks
 
@@ -27,10 +28,12 @@ def make_layer(seed=0):
     return layer
 
 
-def _worker(rank, world, port, force_rank0, results):
+def _worker(rank, world, port, force_rank0, transport, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
+    if transport == "shm":
+        use_shm_transport(dist.group.WORLD, ShmAllToAll.create(dist.group.WORLD))
     ref = make_layer()
     layer = make_layer()
     if force_rank0:  # the bias makes every token pick experts 0..3, all on EP rank 0
@@ -85,9 +88,10 @@ def _expert_grad_worker(rank, world, port, dtype, results):
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_all_to_all_layer_equals_single_rank(world):
-    res = spawn_ranks(_worker, world, False)
+def test_all_to_all_layer_equals_single_rank(world, transport):
+    res = spawn_ranks(_worker, world, False, transport)
     assert all(r["grads_finite"] for r in res.values())
     assert all(r["sent"] > 0 for r in res.values())
 
@@ -99,8 +103,9 @@ def test_expert_gradients_equal_single_process(world, dtype):
     assert all(res.values()), res
 
 
-def test_every_token_to_one_rank_no_hang_and_zero_grads_elsewhere():
-    res = spawn_ranks(_worker, 2, True)
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_every_token_to_one_rank_no_hang_and_zero_grads_elsewhere(transport):
+    res = spawn_ranks(_worker, 2, True, transport)
     assert not res[0]["zero_grads"]  # rank 0 owns every chosen expert
     assert res[1]["zero_grads"]  # rank 1's experts got no tokens: zero (not missing) gradients
 

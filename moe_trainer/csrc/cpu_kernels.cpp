@@ -30,14 +30,32 @@
 //
 // Everything is computed in fp32 and rounded on store (bf16: round to nearest even), once except
 // where a reference rounds in between (RMSNorm).
+//
+// Shared-memory all-to-all, for expert parallelism between the CPU ranks of one host
+// (parallel/shm_alltoall.py): each rank owns a file in /dev/shm holding one single-producer
+// single-consumer byte ring per destination rank. A rank streams its chunk for rank j into its ring
+// j and drains ring `rank` of every peer's file, alternating until its sends and receives are
+// complete (both sides know every size from the split sizes, so no framing). head and tail are
+// byte counts published with release stores and read with acquire loads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <vector>
 
 namespace {
@@ -478,6 +496,202 @@ std::vector<torch::Tensor> counting_sort(torch::Tensor keys, int64_t n_keys) {
   return {order, counts};
 }
 
+
+// ----------------------------------------------------------------------------- shared-memory all-to-all
+
+struct alignas(64) RingCounter {
+  std::atomic<int64_t> value;
+  char pad[64 - sizeof(std::atomic<int64_t>)];
+};
+
+struct RingHeader {
+  RingCounter head;  // bytes written by the producer
+  RingCounter tail;  // bytes consumed by the consumer
+};
+
+struct ShmChannel {
+  int64_t rank = 0, world = 0, capacity = 0;
+  std::string prefix;
+  std::vector<char*> maps;  // maps[i]: rank i's file (its rings to every rank)
+  size_t file_bytes = 0;
+  bool unlinked = false;
+
+  size_t ring_bytes() const { return sizeof(RingHeader) + static_cast<size_t>(capacity); }
+  RingHeader* ring(int64_t producer, int64_t consumer) {
+    return reinterpret_cast<RingHeader*>(maps[producer] + consumer * ring_bytes());
+  }
+  char* data(int64_t producer, int64_t consumer) {
+    return reinterpret_cast<char*>(ring(producer, consumer)) + sizeof(RingHeader);
+  }
+  std::string path(int64_t r) const { return prefix + "_" + std::to_string(r); }
+};
+
+std::vector<std::unique_ptr<ShmChannel>>& shm_channels() {
+  static std::vector<std::unique_ptr<ShmChannel>> channels;
+  return channels;
+}
+
+ShmChannel& shm_channel(int64_t handle) {
+  auto& all = shm_channels();
+  TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(all.size()) && all[handle],
+              "shm all-to-all: no open channel ", handle);
+  return *all[handle];
+}
+
+char* map_file(const std::string& path, size_t bytes, bool create) {
+  int fd = create ? open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600) : open(path.c_str(), O_RDWR);
+  if (fd < 0) return nullptr;
+  // reserve the pages now: a tmpfs that is too small fails here instead of with SIGBUS later
+  if (create && (ftruncate(fd, static_cast<off_t>(bytes)) != 0 || posix_fallocate(fd, 0, static_cast<off_t>(bytes)) != 0)) {
+    close(fd);
+    unlink(path.c_str());
+    return nullptr;
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    if (create) unlink(path.c_str());
+    return nullptr;
+  }
+  return static_cast<char*>(p);
+}
+
+// Creates this rank's file `prefix_rank` with `world` rings of `capacity` bytes (rounded up to 64):
+// a handle, or -1 if /dev/shm cannot hold it.
+int64_t shm_channel_create(const std::string& prefix, int64_t rank, int64_t world, int64_t capacity) {
+  TORCH_CHECK(world >= 1 && rank >= 0 && rank < world && capacity > 0, "shm all-to-all: bad channel shape");
+  auto ch = std::make_unique<ShmChannel>();
+  ch->rank = rank;
+  ch->world = world;
+  ch->capacity = (capacity + 63) / 64 * 64;
+  ch->prefix = prefix;
+  ch->file_bytes = ch->ring_bytes() * static_cast<size_t>(world);
+  ch->maps.assign(world, nullptr);
+  ch->maps[rank] = map_file(ch->path(rank), ch->file_bytes, true);  // zero-filled: every count starts at 0
+  if (!ch->maps[rank]) return -1;
+  auto& all = shm_channels();
+  all.push_back(std::move(ch));
+  return static_cast<int64_t>(all.size()) - 1;
+}
+
+// Maps every peer's file (after all ranks created theirs); false if one is missing.
+bool shm_channel_attach(int64_t handle) {
+  ShmChannel& ch = shm_channel(handle);
+  for (int64_t r = 0; r < ch.world; ++r) {
+    if (!ch.maps[r]) ch.maps[r] = map_file(ch.path(r), ch.file_bytes, false);
+    if (!ch.maps[r]) return false;
+  }
+  return true;
+}
+
+// Removes this rank's file name (after every peer mapped it): nothing is left in /dev/shm
+// however the job ends; the mappings live until close or exit.
+void shm_channel_unlink(int64_t handle) {
+  ShmChannel& ch = shm_channel(handle);
+  if (!ch.unlinked) unlink(ch.path(ch.rank).c_str());
+  ch.unlinked = true;
+}
+
+void shm_channel_close(int64_t handle) {
+  ShmChannel& ch = shm_channel(handle);
+  shm_channel_unlink(handle);
+  for (char* p : ch.maps)
+    if (p) munmap(p, ch.file_bytes);
+  shm_channels()[handle].reset();
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// all_to_all_single over bytes: send holds the chunks for ranks 0..world-1 back to back
+// (send_bytes[j] each), recv receives recv_bytes[j] from each rank j in rank order.
+void shm_all_to_all(int64_t handle, torch::Tensor send, std::vector<int64_t> send_bytes, torch::Tensor recv,
+                    std::vector<int64_t> recv_bytes, double timeout_s) {
+  ShmChannel& ch = shm_channel(handle);
+  const int64_t W = ch.world, me = ch.rank, cap = ch.capacity;
+  TORCH_CHECK(static_cast<int64_t>(send_bytes.size()) == W && static_cast<int64_t>(recv_bytes.size()) == W,
+              "shm all-to-all: one split per rank");
+  TORCH_CHECK(send.is_contiguous() && recv.is_contiguous() && send.scalar_type() == torch::kUInt8 &&
+                  recv.scalar_type() == torch::kUInt8, "shm all-to-all: contiguous uint8 buffers");
+  std::vector<int64_t> send_off(W + 1, 0), recv_off(W + 1, 0);
+  for (int64_t j = 0; j < W; ++j) {
+    TORCH_CHECK(send_bytes[j] >= 0 && recv_bytes[j] >= 0, "shm all-to-all: negative split");
+    send_off[j + 1] = send_off[j] + send_bytes[j];
+    recv_off[j + 1] = recv_off[j] + recv_bytes[j];
+  }
+  TORCH_CHECK(send_off[W] == send.numel() && recv_off[W] == recv.numel(), "shm all-to-all: splits != buffer sizes");
+  TORCH_CHECK(send_bytes[me] == recv_bytes[me], "shm all-to-all: the chunk to self must match what self receives");
+  const char* src = reinterpret_cast<const char*>(send.data_ptr());
+  char* dst = reinterpret_cast<char*>(recv.data_ptr());
+  pybind11::gil_scoped_release no_gil;
+  if (send_bytes[me]) std::memcpy(dst + recv_off[me], src + send_off[me], send_bytes[me]);
+  std::vector<int64_t> sent(W, 0), got(W, 0);
+  sent[me] = send_bytes[me];
+  got[me] = recv_bytes[me];
+  int64_t pending = 0;
+  for (int64_t j = 0; j < W; ++j) pending += (sent[j] < send_bytes[j]) + (got[j] < recv_bytes[j]);
+  auto last_progress = std::chrono::steady_clock::now();
+  int64_t idle = 0;
+  while (pending > 0) {
+    bool progress = false;
+    for (int64_t j = 0; j < W; ++j) {
+      if (sent[j] < send_bytes[j]) {  // my ring to j: write what fits
+        RingHeader* r = ch.ring(me, j);
+        int64_t head = r->head.value.load(std::memory_order_relaxed);
+        int64_t room = cap - (head - r->tail.value.load(std::memory_order_acquire));
+        int64_t n = std::min(room, send_bytes[j] - sent[j]);
+        if (n > 0) {
+          int64_t at = head % cap, first = std::min(n, cap - at);
+          std::memcpy(ch.data(me, j) + at, src + send_off[j] + sent[j], first);
+          if (n > first) std::memcpy(ch.data(me, j), src + send_off[j] + sent[j] + first, n - first);
+          r->head.value.store(head + n, std::memory_order_release);
+          sent[j] += n;
+          pending -= sent[j] == send_bytes[j];
+          progress = true;
+        }
+      }
+      if (got[j] < recv_bytes[j]) {  // j's ring to me: take what arrived
+        RingHeader* r = ch.ring(j, me);
+        int64_t tail = r->tail.value.load(std::memory_order_relaxed);
+        int64_t n = std::min(r->head.value.load(std::memory_order_acquire) - tail, recv_bytes[j] - got[j]);
+        if (n > 0) {
+          int64_t at = tail % cap, first = std::min(n, cap - at);
+          std::memcpy(dst + recv_off[j] + got[j], ch.data(j, me) + at, first);
+          if (n > first) std::memcpy(dst + recv_off[j] + got[j] + first, ch.data(j, me), n - first);
+          r->tail.value.store(tail + n, std::memory_order_release);
+          got[j] += n;
+          pending -= got[j] == recv_bytes[j];
+          progress = true;
+        }
+      }
+    }
+    if (progress) {
+      idle = 0;
+      last_progress = std::chrono::steady_clock::now();
+      continue;
+    }
+    // waiting for a peer: spin briefly, then give the core away (ranks may outnumber cores)
+    if (++idle < 256) {
+      cpu_relax();
+      continue;
+    }
+    std::this_thread::yield();
+    if ((idle & 1023) == 0) {
+      double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - last_progress).count();
+      if (waited > timeout_s)
+        throw std::runtime_error("shm all-to-all: rank " + std::to_string(me) + " waited " +
+                                 std::to_string(static_cast<int64_t>(waited)) +
+                                 " s for a peer that neither sent nor received (did a rank fail or skip a collective?)");
+      if (waited > 0.01) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -491,4 +705,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("counting_sort", &counting_sort, "(stable argsort, counts) of small non-negative int64 keys");
   m.def("causal_softmax_forward_", &causal_softmax_forward_, "causal softmax of scale * scores, in place");
   m.def("causal_softmax_backward_", &causal_softmax_backward_, "scale * (gradient of the causal softmax), in place over dp");
+  m.def("shm_channel_create", &shm_channel_create, "this rank's rings in /dev/shm: a handle, or -1");
+  m.def("shm_channel_attach", &shm_channel_attach, "map every peer's rings");
+  m.def("shm_channel_unlink", &shm_channel_unlink, "remove this rank's file name");
+  m.def("shm_channel_close", &shm_channel_close, "unmap and forget a channel");
+  m.def("shm_all_to_all", &shm_all_to_all, "all_to_all_single over bytes through the rings");
 }

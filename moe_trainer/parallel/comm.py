@@ -38,6 +38,28 @@ class CommCounter:
         return out
 
 
+# process group -> ShmAllToAll: the expert all-to-alls of CPU ranks on one host (shm_alltoall.py)
+_SHM_TRANSPORTS: dict = {}
+
+
+def use_shm_transport(group, transport) -> None:
+    """Route this group's all_to_all_single calls through `transport` (None: back to gloo)."""
+    if transport is None:
+        _SHM_TRANSPORTS.pop(group, None)
+    else:
+        _SHM_TRANSPORTS[group] = transport
+
+
+def all_to_all_single(out: torch.Tensor, x: torch.Tensor, out_splits: Optional[list[int]] = None,
+                      in_splits: Optional[list[int]] = None, group=None) -> None:
+    """dist.all_to_all_single, through the group's shared-memory transport when it has one."""
+    transport = _SHM_TRANSPORTS.get(group)
+    if transport is not None:
+        transport.all_to_all_single(out, x, out_splits, in_splits)
+    else:
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+
+
 def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
                     counter: Optional[CommCounter] = None, kind: str = "all_to_all") -> torch.Tensor:
     """Rows [sum(in_splits), ...] -> rows [sum(out_splits), ...]; differentiable."""
@@ -48,7 +70,7 @@ def _exchange(x, out_splits, in_splits, group, counter, kind):
     x = x.contiguous()
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     t0 = time.perf_counter()
-    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    all_to_all_single(out, x, out_splits, in_splits, group)
     if counter is not None:
         counter.add_time(kind, time.perf_counter() - t0)
         me = dist.get_rank(group)

@@ -50,9 +50,10 @@ from ..moe.dispatcher import (CombineRows, Dispatched, GatherRows, inverse_permu
                               sort_by_key)
 from ..moe.experts import Experts
 from ..moe.layer import MoE
-from .comm import CommCounter, _exchange, all_to_all_rows
+from .comm import CommCounter, _exchange, all_to_all_rows, all_to_all_single, use_shm_transport
 from .mesh import Mesh
 from .replicas import LayerPlacement
+from .shm_alltoall import ShmAllToAll
 
 
 @dataclass
@@ -126,7 +127,7 @@ class AllToAllDispatcher:
         # 1. exchange per-destination counts: recv[s, e] = rows rank s sends to my local expert (slot) e
         recv = torch.empty_like(counts)
         t0 = time.perf_counter()
-        dist.all_to_all_single(recv, counts, group=self.group)
+        all_to_all_single(recv, counts, group=self.group)
         send_counts, recv = counts.view(self.ep, self.n_local), recv.view(self.ep, self.n_local)
         in_splits, out_splits = send_counts.sum(1).tolist(), recv.sum(1).tolist()  # host sync
         self._time("dispatch_counts", t0)
@@ -232,7 +233,7 @@ class AllToAllDispatcher:
         meta = torch.cat([gate.float(), local_id.float()], 1)  # ids < 2**24 are exact in fp32
         recv_counts = torch.empty_like(send_counts)
         t0 = time.perf_counter()
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        all_to_all_single(recv_counts, send_counts, group=self.group)
         in_splits, out_splits = send_counts.tolist(), recv_counts.tolist()  # host sync
         self._time("dispatch_counts", t0)
         # (GatherRows: index_select forward, index_add_ backward; a tensor index's backward is an
@@ -294,9 +295,12 @@ def shard_experts(layer: MoE, ep_rank: int, ep: int) -> None:
 
 
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, counter: Optional[CommCounter] = None,
-                          dedup: bool = False, placement: Optional[list[LayerPlacement]] = None) -> nn.Module:
+                          dedup: bool = False, placement: Optional[list[LayerPlacement]] = None,
+                          cpu_alltoall: str = "shm", timeout_s: float = 300.0) -> nn.Module:
     """Shard the experts over the EP group and swap in all-to-all dispatchers; `placement`, if
-    given, holds one LayerPlacement per MoE layer of the whole model (global order)."""
+    given, holds one LayerPlacement per MoE layer of the whole model (global order).
+    cpu_alltoall="shm": on gloo, the EP group's all-to-alls go through shared memory when all its
+    ranks share this host (shm_alltoall.py), else through gloo."""
     ep = mesh.layout.ep
     moe = [m for m in model.modules() if isinstance(m, MoE)]
     if ep == 1 or not moe:
@@ -306,6 +310,8 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, counter: Optional[CommCo
                          f"MoE layers.")
     group_name = f"ep_size_{ep}"
     ep_rank = mesh.index("ep")
+    if cpu_alltoall == "shm" and dist.get_backend(mesh.group("ep")) == "gloo":
+        use_shm_transport(mesh.group("ep"), ShmAllToAll.create(mesh.group("ep"), timeout_s=timeout_s))
     for i, layer in enumerate(moe):
         shard_experts(layer, ep_rank, ep)
         layer.dispatcher = AllToAllDispatcher(layer.n_experts, ep, mesh.group("ep"),

@@ -29,7 +29,8 @@ def parallelize(model: torch.nn.Module, cfg: Config, mesh: Mesh, counter: Option
     try:
         model = apply_tensor_parallel(model, mesh, p.sequence_parallel, counter)
         placement = load_placement(cfg, mesh.layout.ep, mesh.index("ep"), log=mesh.rank == 0)
-        model = apply_expert_parallel(model, mesh, counter, dedup=p.dedup_dispatch, placement=placement)
+        model = apply_expert_parallel(model, mesh, counter, dedup=p.dedup_dispatch, placement=placement,
+                                      cpu_alltoall=p.cpu_alltoall, timeout_s=p.timeout_s)
         model = apply_context_parallel(model, mesh, counter)
         model = apply_recompute(model, p.recompute)
     except ValueError as e:  # a degree that does not fit this model, or a bad placement plan

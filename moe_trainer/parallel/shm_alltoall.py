@@ -1,0 +1,87 @@
+"""all_to_all_single through shared memory, for expert parallelism between CPU ranks of one host.
+
+gloo moves every all-to-all over loopback TCP with a socket round trip per peer; between two busy
+single-threaded ranks each exchange costs ~1-2 ms however small (the counts exchange included), and
+an MoE layer makes five per micro-batch. Here each rank owns a file in /dev/shm with one byte ring
+per destination (csrc/cpu_kernels.cpp: `shm_all_to_all`): a rank streams its chunk for rank j into
+ring j and drains its ring in every peer's file, so an exchange costs two memcpys and the wait for
+the slowest peer, and chunks larger than a ring stream through it.
+
+`ShmAllToAll.create(group)` returns None (and the caller stays on gloo) unless every rank of the
+group runs on this host with the CPU kernels built and /dev/shm holds the rings; every rank of the
+group reaches the same answer. A peer that never arrives raises after `timeout_s` instead of hanging.
+"""
+from __future__ import annotations
+
+import math
+import socket
+import zlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import cpu_kernels
+
+# Bytes per ring (one per destination rank in each rank's file): MoE exchanges of a few MB stream
+# through in a few passes, and a world of 8 ranks maps 8 x 8 x 4 MB = 256 MB of /dev/shm.
+RING_BYTES = 4 << 20
+
+
+class ShmAllToAll:
+    """The shared-memory rings of one process group (every rank of it on this host)."""
+
+    def __init__(self, ops, handle: int, group, timeout_s: float):
+        self.ops, self.handle, self.group, self.timeout_s = ops, handle, group, timeout_s
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    @classmethod
+    def create(cls, group, ring_bytes: int = RING_BYTES, timeout_s: float = 300.0) -> Optional["ShmAllToAll"]:
+        """Collective over `group`: the transport, or None on every rank if any rank cannot use it."""
+        ops = cpu_kernels.kernels()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        # same host: every rank's host-name hash equals rank 0's
+        host = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
+        hosts = [torch.empty_like(host) for _ in range(world)]
+        dist.all_gather(hosts, host, group=group)
+        token = torch.randint(0, 1 << 62, (1,), dtype=torch.int64)  # a name no other job uses
+        dist.broadcast(token, src=dist.get_global_rank(group, 0), group=group)
+        usable = ops is not None and hasattr(ops, "shm_all_to_all") and all(h.item() == hosts[0].item() for h in hosts)
+        handle = ops.shm_channel_create(f"/dev/shm/moe_trainer_a2a_{token.item():x}", rank, world, ring_bytes) \
+            if usable else -1
+        if not _all_ranks_agree(handle >= 0, group):
+            if handle >= 0:
+                ops.shm_channel_close(handle)
+            return None
+        attached = ops.shm_channel_attach(handle)
+        if not _all_ranks_agree(attached, group):
+            ops.shm_channel_close(handle)
+            return None
+        ops.shm_channel_unlink(handle)  # every peer has mapped it: the name can go
+        return cls(ops, handle, group, timeout_s)
+
+    def all_to_all_single(self, out: torch.Tensor, x: torch.Tensor, out_splits: Optional[list[int]] = None,
+                          in_splits: Optional[list[int]] = None) -> None:
+        """dist.all_to_all_single(out, x, out_splits, in_splits) for contiguous CPU tensors (splits
+        in rows of dim 0; None = equal)."""
+        if out_splits is None:
+            out_splits = [out.shape[0] // self.world] * self.world
+        if in_splits is None:
+            in_splits = [x.shape[0] // self.world] * self.world
+        row = x.element_size() * math.prod(x.shape[1:])
+        self.ops.shm_all_to_all(self.handle, _bytes(x), [n * row for n in in_splits], _bytes(out),
+                                [n * row for n in out_splits], self.timeout_s)
+
+    def close(self) -> None:
+        self.ops.shm_channel_close(self.handle)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    assert t.is_contiguous() and t.device.type == "cpu", "the shared-memory all-to-all takes contiguous CPU tensors"
+    return t.view(-1).view(torch.uint8)
+
+
+def _all_ranks_agree(ok: bool, group) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
