@@ -27,10 +27,11 @@ from .metrics import MetricSink, peak_memory_gb, peak_tflops, train_flops_per_to
 from .models.registry import build_model, moe_layers
 from .moe import balance
 from .noise_scale import MicroGradNorms, NoiseScale, ReducedGradNorm
-from .parallel.comm import CommCounter
+from .parallel.comm import CommCounter, all_reduce_small, enable_shm_transport
 from .parallel.context import shard_sequence
 from .parallel.mesh import DeepSpeedMPU, Mesh
 from .parallel.pipeline import PipelineExecutor, Trace, build_stage
+from .parallel.shm_alltoall import SMALL_RING_BYTES
 from .parallel.parallelize import parallelize
 from .parallel.zero import build_engine, set_lr
 
@@ -98,6 +99,10 @@ class Trainer:
             load_initial_weights(model, t.init_from)
         self.comm = CommCounter()
         self.model = parallelize(model, cfg, mesh, self.comm)
+        if cfg.parallel.cpu_alltoall == "shm" and dist.is_initialized() and self.layout.world > 1:
+            # the per-step loss, expert-count and noise-scale all-reduces, and the stop flag's
+            for group in ([mesh.group("dpcp")] if mesh.group("dpcp") is not None else []) + [None]:
+                enable_shm_transport(group, ring_bytes=SMALL_RING_BYTES, timeout_s=cfg.parallel.timeout_s)
         self.pipelined = self.layout.pp > 1
         if self.pipelined:
             self.model = build_stage(self.model, cfg, mesh.coord["pp"], t.seq_len)
@@ -192,7 +197,7 @@ class Trainer:
         if not (dist.is_initialized() and self.layout.world > 1):
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        all_reduce_small(t, op="max")
         return bool(t.item())  # host sync
 
     def check_finite(self, record: dict) -> None:
@@ -286,9 +291,9 @@ class Trainer:
             return
         small = self.micro_norms.take(self.layout.grad_accum).to(self.device)
         if self.mesh.group("mp") is not None:  # partial norms of tp shards and pp stages add up
-            dist.all_reduce(small, group=self.mesh.group("mp"))
+            all_reduce_small(small, self.mesh.group("mp"))
         if self.mesh.group("dpcp") is not None:
-            dist.all_reduce(small, group=self.mesh.group("dpcp"))
+            all_reduce_small(small, self.mesh.group("dpcp"))
             small /= self.mesh.size("dpcp")
         big = self.reduced_norm.take()
         b_small, b_big = self.noise_batches
@@ -325,9 +330,9 @@ class Trainer:
         vec = torch.stack([torch.as_tensor(values.get(k, 0.0), dtype=torch.float32).detach().reshape(())
                            for k in self.loss_keys]).to(self.device)
         if self.mesh.group("pp") is not None:
-            dist.all_reduce(vec, group=self.mesh.group("pp"))
+            all_reduce_small(vec, self.mesh.group("pp"))
         if self.mesh.group("dpcp") is not None:  # cp ranks hold equal shards: their mean is the mean
-            dist.all_reduce(vec, group=self.mesh.group("dpcp"))
+            all_reduce_small(vec, self.mesh.group("dpcp"))
             vec /= self.mesh.size("dpcp")
         return dict(zip(self.loss_keys, vec.tolist()))  # .tolist(): host sync, once per step
 
@@ -346,16 +351,16 @@ class Trainer:
         for row, m in self.moe:
             counts[row], stats[row, :5], stats[row, 5 + ep_rank] = m.tokens_per_expert, m.stats[:5], m.stats[5]
         if self.mesh.group("dpcp") is not None:
-            dist.all_reduce(counts, group=self.mesh.group("dpcp"))
-            dist.all_reduce(stats, group=self.mesh.group("dpcp"))
+            all_reduce_small(counts, self.mesh.group("dpcp"))
+            all_reduce_small(stats, self.mesh.group("dpcp"))
         speed = self.cfg.model.bias_update_speed if apply else 0.0
         for row, layer in self.moe:
             if speed > 0:
                 balance.update_bias(layer.gate.e_score_correction_bias, counts[row], speed)
             layer.reset_counters()
         if self.mesh.group("pp") is not None:  # every stage's rows, for logging
-            dist.all_reduce(counts, group=self.mesh.group("pp"))
-            dist.all_reduce(stats, group=self.mesh.group("pp"))
+            all_reduce_small(counts, self.mesh.group("pp"))
+            all_reduce_small(stats, self.mesh.group("pp"))
         self._load_interval += counts.cpu()
         self._rank_load_interval += stats[:, 5:].float().cpu()
         return {"counts": counts.cpu(), "stats": stats[:, :5].cpu()}
@@ -366,7 +371,7 @@ class Trainer:
         for row, m in self.moe:
             bias[row] = m.gate.e_score_correction_bias.detach().float()
         if self.mesh.group("pp") is not None:
-            dist.all_reduce(bias, group=self.mesh.group("pp"))
+            all_reduce_small(bias, self.mesh.group("pp"))
         return bias.cpu()
 
     # ------------------------------------------------------------------ eval and logging

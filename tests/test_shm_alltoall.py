@@ -96,3 +96,27 @@ def _other_host_worker(rank, world, port, results):
 def test_ranks_on_different_hosts_all_stay_on_gloo():
     assert spawn_ranks(_other_host_worker, 2) == {0: True, 1: True}
 
+
+
+def _all_reduce_worker(rank, world, port, results):
+    _init(rank, world, port)
+    shm = ShmAllToAll.create(dist.group.WORLD, ring_bytes=512)
+    ok = True
+    for dtype in (torch.float32, torch.float64, torch.int64):
+        x = (torch.randn(3, 50, generator=torch.Generator().manual_seed(rank)) * 1000).to(dtype)
+        for op, dist_op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX)):
+            want = x.clone()
+            dist.all_reduce(want, op=dist_op)
+            got = shm.all_reduce_(x.clone(), op)
+            ok &= torch.allclose(got.double(), want.double(), rtol=1e-6, atol=1e-3)
+            mine = [torch.empty_like(got) for _ in range(world)]
+            dist.all_gather(mine, got)
+            ok &= all(torch.equal(m, got) for m in mine)  # the same bits on every rank
+    shm.close()
+    results[rank] = ok
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shm_all_reduce_equals_gloo_and_agrees_bitwise(world):
+    assert all(spawn_ranks(_all_reduce_worker, world).values())

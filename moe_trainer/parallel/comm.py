@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .shm_alltoall import RING_BYTES, ShmAllToAll
+
 
 class CommCounter:
     """Bytes this rank sent and received per kind of collective since reset(), and the
@@ -38,16 +40,39 @@ class CommCounter:
         return out
 
 
-# process group -> ShmAllToAll: the expert all-to-alls of CPU ranks on one host (shm_alltoall.py)
+# process group (None = the world) -> ShmAllToAll: all-to-alls and small all-reduces between CPU
+# ranks of one host (shm_alltoall.py)
 _SHM_TRANSPORTS: dict = {}
 
 
 def use_shm_transport(group, transport) -> None:
-    """Route this group's all_to_all_single calls through `transport` (None: back to gloo)."""
+    """Route this group's all_to_all_single / all_reduce_small calls through `transport`
+    (None: back to the process group's backend)."""
     if transport is None:
         _SHM_TRANSPORTS.pop(group, None)
     else:
         _SHM_TRANSPORTS[group] = transport
+
+
+def enable_shm_transport(group, ring_bytes: int = RING_BYTES, timeout_s: float = 300.0) -> bool:
+    """Collective over `group` (None = the world): on a gloo group whose ranks can all use shared
+    memory, route its calls through it. True if they now do."""
+    pg = group if group is not None else dist.group.WORLD
+    if dist.get_backend(pg) != "gloo":
+        return False
+    transport = ShmAllToAll.create(pg, ring_bytes=ring_bytes, timeout_s=timeout_s)
+    use_shm_transport(group, transport)
+    return transport is not None
+
+
+def all_reduce_small(t: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
+    """dist.all_reduce (op "sum" or "max") of a small tensor, through the group's shared-memory
+    transport when it has one."""
+    transport = _SHM_TRANSPORTS.get(group)
+    if transport is not None and t.device.type == "cpu":
+        return transport.all_reduce_(t, op)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+    return t
 
 
 def all_to_all_single(out: torch.Tensor, x: torch.Tensor, out_splits: Optional[list[int]] = None,

@@ -50,10 +50,9 @@ from ..moe.dispatcher import (CombineRows, Dispatched, GatherRows, inverse_permu
                               sort_by_key)
 from ..moe.experts import Experts
 from ..moe.layer import MoE
-from .comm import CommCounter, _exchange, all_to_all_rows, all_to_all_single, use_shm_transport
+from .comm import CommCounter, _exchange, all_to_all_rows, all_to_all_single, enable_shm_transport
 from .mesh import Mesh
 from .replicas import LayerPlacement
-from .shm_alltoall import ShmAllToAll
 
 
 @dataclass
@@ -310,8 +309,8 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, counter: Optional[CommCo
                          f"MoE layers.")
     group_name = f"ep_size_{ep}"
     ep_rank = mesh.index("ep")
-    if cpu_alltoall == "shm" and dist.get_backend(mesh.group("ep")) == "gloo":
-        use_shm_transport(mesh.group("ep"), ShmAllToAll.create(mesh.group("ep"), timeout_s=timeout_s))
+    if cpu_alltoall == "shm":
+        enable_shm_transport(mesh.group("ep"), timeout_s=timeout_s)
     for i, layer in enumerate(moe):
         shard_experts(layer, ep_rank, ep)
         layer.dispatcher = AllToAllDispatcher(layer.n_experts, ep, mesh.group("ep"),

@@ -7,6 +7,9 @@ per destination (csrc/cpu_kernels.cpp: `shm_all_to_all`): a rank streams its chu
 ring j and drains its ring in every peer's file, so an exchange costs two memcpys and the wait for
 the slowest peer, and chunks larger than a ring stream through it.
 
+The same rings carry the trainer's small per-step all-reduces (losses, expert counts, the noise
+scale's norms), which on gloo cost as much as an all-to-all each.
+
 `ShmAllToAll.create(group)` returns None (and the caller stays on gloo) unless every rank of the
 group runs on this host with the CPU kernels built and /dev/shm holds the rings; every rank of the
 group reaches the same answer. A peer that never arrives raises after `timeout_s` instead of hanging.
@@ -26,6 +29,8 @@ from .. import cpu_kernels
 # Bytes per ring (one per destination rank in each rank's file): MoE exchanges of a few MB stream
 # through in a few passes, and a world of 8 ranks maps 8 x 8 x 4 MB = 256 MB of /dev/shm.
 RING_BYTES = 4 << 20
+# for groups that only carry the trainer's small all-reduces (a few KB per step)
+SMALL_RING_BYTES = 64 << 10
 
 
 class ShmAllToAll:
@@ -71,6 +76,22 @@ class ShmAllToAll:
         row = x.element_size() * math.prod(x.shape[1:])
         self.ops.shm_all_to_all(self.handle, _bytes(x), [n * row for n in in_splits], _bytes(out),
                                 [n * row for n in out_splits], self.timeout_s)
+
+    def all_reduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce ("sum" or "max") of a small CPU tensor: every rank gathers every
+        rank's copy and reduces them in rank order, so all ranks hold the same bits."""
+        flat = t.detach().reshape(-1).contiguous()
+        gathered = flat.new_empty(self.world, flat.numel())
+        self.all_to_all_single(gathered, flat.expand(self.world, -1).contiguous())
+        acc = gathered[0].clone()
+        for r in range(1, self.world):
+            if op == "max":
+                torch.maximum(acc, gathered[r], out=acc)
+            else:
+                acc += gathered[r]
+        with torch.no_grad():
+            t.copy_(acc.view_as(t))
+        return t
 
     def close(self) -> None:
         self.ops.shm_channel_close(self.handle)
