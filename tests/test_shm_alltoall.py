@@ -4,6 +4,7 @@ ring's size; a peer that never arrives raises instead of hanging; ranks that can
 get None; nothing is left in /dev/shm."""
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,28 @@ def _all_reduce_worker(rank, world, port, results):
 @pytest.mark.parametrize("world", [2, 3])
 def test_shm_all_reduce_equals_gloo_and_agrees_bitwise(world):
     assert all(spawn_ranks(_all_reduce_worker, world).values())
+
+
+def _dead_peer_worker(rank, world, port, results):
+    _init(rank, world, port)
+    shm = ShmAllToAll.create(dist.group.WORLD, timeout_s=120.0)
+    if rank == 1:
+        os._exit(0)  # dies without taking part (and without tearing down the process group)
+    t0 = time.monotonic()
+    try:
+        shm.all_to_all_single(torch.empty(4), torch.ones(4), [2, 2], [2, 2])
+        results[rank] = ("returned", 0.0)
+    except RuntimeError as e:
+        results[rank] = (str(e), time.monotonic() - t0)
+
+
+def test_dead_peer_raises_within_seconds():
+    """Not after the 120 s timeout: the waiting rank watches its peers' processes."""
+    import torch.multiprocessing as mp
+    from conftest import free_port
+    results = mp.Manager().dict()
+    ctx = mp.start_processes(_dead_peer_worker, args=(2, free_port(), results), nprocs=2, join=False)
+    for p in ctx.processes:
+        p.join(60)
+    msg, seconds = results[0]
+    assert "rank 1" in msg and "has exited" in msg and seconds < 10, results[0]

@@ -53,7 +53,10 @@
 #include <thread>
 #include <vector>
 
+#include <cerrno>
+#include <cstdio>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #include <vector>
@@ -513,6 +516,7 @@ struct ShmChannel {
   int64_t rank = 0, world = 0, capacity = 0;
   std::string prefix;
   std::vector<char*> maps;  // maps[i]: rank i's file (its rings to every rank)
+  std::vector<int64_t> pids;  // each rank's process id, to notice a peer that died (empty: unchecked)
   size_t file_bytes = 0;
   bool unlinked = false;
 
@@ -584,6 +588,12 @@ bool shm_channel_attach(int64_t handle) {
   return true;
 }
 
+void shm_channel_set_pids(int64_t handle, std::vector<int64_t> pids) {
+  ShmChannel& ch = shm_channel(handle);
+  TORCH_CHECK(static_cast<int64_t>(pids.size()) == ch.world, "shm all-to-all: one pid per rank");
+  ch.pids = std::move(pids);
+}
+
 // Removes this rank's file name (after every peer mapped it): nothing is left in /dev/shm
 // however the job ends; the mappings live until close or exit.
 void shm_channel_unlink(int64_t handle) {
@@ -598,6 +608,20 @@ void shm_channel_close(int64_t handle) {
   for (char* p : ch.maps)
     if (p) munmap(p, ch.file_bytes);
   shm_channels()[handle].reset();
+}
+
+// Whether a process has exited: no such pid, or a zombie its parent has not reaped yet.
+bool process_gone(int64_t pid) {
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return true;
+  std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (!f) return false;
+  char buf[512];
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* close_paren = std::strrchr(buf, ')');  // "pid (comm) state ..."
+  return close_paren && close_paren[1] == ' ' && (close_paren[2] == 'Z' || close_paren[2] == 'X');
 }
 
 inline void cpu_relax() {
@@ -687,7 +711,13 @@ void shm_all_to_all(int64_t handle, torch::Tensor send, std::vector<int64_t> sen
         throw std::runtime_error("shm all-to-all: rank " + std::to_string(me) + " waited " +
                                  std::to_string(static_cast<int64_t>(waited)) +
                                  " s for a peer that neither sent nor received (did a rank fail or skip a collective?)");
-      if (waited > 0.01) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      if (waited > 0.01) {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+        for (int64_t j = 0; j < static_cast<int64_t>(ch.pids.size()); ++j)  // a dead peer ends the wait now
+          if ((sent[j] < send_bytes[j] || got[j] < recv_bytes[j]) && process_gone(ch.pids[j]))
+            throw std::runtime_error("shm all-to-all: rank " + std::to_string(j) + " (pid " +
+                                     std::to_string(ch.pids[j]) + ") has exited");
+      }
     }
   }
 }
@@ -707,6 +737,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_softmax_backward_", &causal_softmax_backward_, "scale * (gradient of the causal softmax), in place over dp");
   m.def("shm_channel_create", &shm_channel_create, "this rank's rings in /dev/shm: a handle, or -1");
   m.def("shm_channel_attach", &shm_channel_attach, "map every peer's rings");
+  m.def("shm_channel_set_pids", &shm_channel_set_pids, "each rank's pid, checked while waiting");
   m.def("shm_channel_unlink", &shm_channel_unlink, "remove this rank's file name");
   m.def("shm_channel_close", &shm_channel_close, "unmap and forget a channel");
   m.def("shm_all_to_all", &shm_all_to_all, "all_to_all_single over bytes through the rings");

@@ -11,12 +11,14 @@ The same rings carry the trainer's small per-step all-reduces (losses, expert co
 scale's norms), which on gloo cost as much as an all-to-all each.
 
 `ShmAllToAll.create(group)` returns None (and the caller stays on gloo) unless every rank of the
-group runs on this host with the CPU kernels built and /dev/shm holds the rings; every rank of the
-group reaches the same answer. A peer that never arrives raises after `timeout_s` instead of hanging.
+group runs on this host (and sees the others' process ids) with the CPU kernels built and /dev/shm
+holds the rings; every rank of the group reaches the same answer. A waiting rank raises as soon as
+a peer's process has exited, and after `timeout_s` if a live peer never arrives, instead of hanging.
 """
 from __future__ import annotations
 
 import math
+import os
 import socket
 import zlib
 from typing import Optional
@@ -49,9 +51,13 @@ class ShmAllToAll:
         host = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
         hosts = [torch.empty_like(host) for _ in range(world)]
         dist.all_gather(hosts, host, group=group)
+        pids = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(pids, torch.tensor([os.getpid()], dtype=torch.int64), group=group)
+        pids = [int(p.item()) for p in pids]
         token = torch.randint(0, 1 << 62, (1,), dtype=torch.int64)  # a name no other job uses
         dist.broadcast(token, src=dist.get_global_rank(group, 0), group=group)
-        usable = ops is not None and hasattr(ops, "shm_all_to_all") and all(h.item() == hosts[0].item() for h in hosts)
+        usable = (ops is not None and hasattr(ops, "shm_all_to_all") and all(h.item() == hosts[0].item() for h in hosts)
+                  and all(_visible(p) for p in pids))  # a waiting rank watches its peers' pids
         handle = ops.shm_channel_create(f"/dev/shm/moe_trainer_a2a_{token.item():x}", rank, world, ring_bytes) \
             if usable else -1
         if not _all_ranks_agree(handle >= 0, group):
@@ -62,6 +68,7 @@ class ShmAllToAll:
         if not _all_ranks_agree(attached, group):
             ops.shm_channel_close(handle)
             return None
+        ops.shm_channel_set_pids(handle, pids)
         ops.shm_channel_unlink(handle)  # every peer has mapped it: the name can go
         return cls(ops, handle, group, timeout_s)
 
@@ -100,6 +107,17 @@ class ShmAllToAll:
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     assert t.is_contiguous() and t.device.type == "cpu", "the shared-memory all-to-all takes contiguous CPU tensors"
     return t.view(-1).view(torch.uint8)
+
+
+def _visible(pid: int) -> bool:
+    """Whether this process sees `pid` (the same PID namespace), so that its death can be noticed."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _all_ranks_agree(ok: bool, group) -> bool:
