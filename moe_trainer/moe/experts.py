@@ -153,6 +153,14 @@ def _gmm_block(a: torch.Tensor, b: torch.Tensor, counts: list[int], grouped: boo
     return out
 
 
+def _grad_buffers(ctx, x, w1, w2, gate):
+    """Uninitialised (dx, dw1, dw2, dgate) for the inputs that need a gradient (else None)."""
+    need_x, need_w1, need_w2, need_gate = ctx.needs_input_grad[:4]
+    return (x.new_empty(x.shape) if need_x else None, w1.new_empty(w1.shape) if need_w1 else None,
+            w2.new_empty(w2.shape) if need_w2 else None,
+            gate.new_empty(gate.shape) if need_gate and gate is not None else None)
+
+
 class GroupedSwiGLUExperts(torch.autograd.Function):
     """out = (silu(x W1g^T) * x W1u^T * gate) W2^T per expert group of rows.
 
@@ -184,13 +192,9 @@ class GroupedSwiGLUExperts(torch.autograd.Function):
         w1, w2, gate, x, *saved = ctx.saved_tensors
         hs, acts = saved[:len(ctx.blocks)], saved[len(ctx.blocks):]
         counts, grouped = ctx.counts, ctx.grouped
-        need_x, need_w1, need_w2, need_gate = ctx.needs_input_grad[:4]
-        need_gate = need_gate and gate is not None
+        dx, dw1, dw2, dgate = _grad_buffers(ctx, x, w1, w2, gate)
+        need_w1, need_w2, need_x, need_gate = dw1 is not None, dw2 is not None, dx is not None, dgate is not None
         dy = dy.contiguous()
-        dx = x.new_empty(x.shape) if need_x else None
-        dw1 = w1.new_empty(w1.shape) if need_w1 else None
-        dw2 = w2.new_empty(w2.shape) if need_w2 else None
-        dgate = gate.new_empty(gate.shape) if need_gate else None
         covered = 0
         for i, (e0, e1, r0, r1) in enumerate(ctx.blocks):
             cs, h, dy_b = counts[e0:e1], hs[i], dy[r0:r1]
@@ -314,18 +318,14 @@ class PaddedSwiGLUExperts(torch.autograd.Function):
         nb = len(ctx.blocks)
         hs, acts, gates = saved[:nb], saved[nb:2 * nb], saved[2 * nb:]
         rows = ctx.rows
-        need_x, need_w1, need_w2, need_gate = ctx.needs_input_grad[:4]
-        need_gate = need_gate and gate is not None
+        dx, dw1, dw2, dgate = _grad_buffers(ctx, x, w1, w2, gate)
+        need_w1, need_w2, need_x, need_gate = dw1 is not None, dw2 is not None, dx is not None, dgate is not None
         dy = dy.contiguous()
-        dx = x.new_empty(x.shape) if need_x else None
-        dw1 = w1.new_empty(w1.shape) if need_w1 else None
-        dw2 = w2.new_empty(w2.shape) if need_w2 else None
         for e, (_, m, _, _) in enumerate(rows):
             if not m:  # an empty expert's gradients are zeros
                 for w in (dw1, dw2):
                     if w is not None:
                         w[e].zero_()
-        dgate = gate.new_empty(gate.shape) if need_gate else None
         for (e0, e1, _, _), h, a, g in zip(ctx.blocks, hs, acts, gates):
             p0 = rows[e0][2]
             da = dy.new_empty(h.shape[0], w2.shape[2])
