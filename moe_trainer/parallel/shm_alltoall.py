@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import socket
 import zlib
 from typing import Optional
@@ -54,7 +55,8 @@ class ShmAllToAll:
         pids = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(pids, torch.tensor([os.getpid()], dtype=torch.int64), group=group)
         pids = [int(p.item()) for p in pids]
-        token = torch.randint(0, 1 << 62, (1,), dtype=torch.int64)  # a name no other job uses
+        # a name no other job uses (drawn without touching torch's generator, which the run seeds)
+        token = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
         dist.broadcast(token, src=dist.get_global_rank(group, 0), group=group)
         usable = (ops is not None and hasattr(ops, "shm_all_to_all") and all(h.item() == hosts[0].item() for h in hosts)
                   and all(_visible(p) for p in pids))  # a waiting rank watches its peers' pids
