@@ -59,7 +59,6 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
-#include <vector>
 
 namespace {
 

@@ -40,7 +40,7 @@ class ShmAllToAll:
     """The shared-memory rings of one process group (every rank of it on this host)."""
 
     def __init__(self, ops, handle: int, group, timeout_s: float):
-        self.ops, self.handle, self.group, self.timeout_s = ops, handle, group, timeout_s
+        self.ops, self.handle, self.timeout_s = ops, handle, timeout_s
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
 
     @classmethod
@@ -48,18 +48,16 @@ class ShmAllToAll:
         """Collective over `group`: the transport, or None on every rank if any rank cannot use it."""
         ops = cpu_kernels.kernels()
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        # same host: every rank's host-name hash equals rank 0's
-        host = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
-        hosts = [torch.empty_like(host) for _ in range(world)]
-        dist.all_gather(hosts, host, group=group)
-        pids = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(pids, torch.tensor([os.getpid()], dtype=torch.int64), group=group)
-        pids = [int(p.item()) for p in pids]
+        # every rank's (host-name hash, pid): one host, and pids a waiting rank can watch
+        mine = torch.tensor([zlib.crc32(socket.gethostname().encode()), os.getpid()], dtype=torch.int64)
+        ids = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(ids, mine, group=group)
+        hosts, pids = [int(i[0]) for i in ids], [int(i[1]) for i in ids]
         # a name no other job uses (drawn without touching torch's generator, which the run seeds)
         token = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
         dist.broadcast(token, src=dist.get_global_rank(group, 0), group=group)
-        usable = (ops is not None and hasattr(ops, "shm_all_to_all") and all(h.item() == hosts[0].item() for h in hosts)
-                  and all(_visible(p) for p in pids))  # a waiting rank watches its peers' pids
+        usable = (ops is not None and hasattr(ops, "shm_all_to_all") and len(set(hosts)) == 1
+                  and all(_visible(p) for p in pids))
         handle = ops.shm_channel_create(f"/dev/shm/moe_trainer_a2a_{token.item():x}", rank, world, ring_bytes) \
             if usable else -1
         if not _all_ranks_agree(handle >= 0, group):
