@@ -61,18 +61,31 @@ def kernels() -> Optional[Any]:
     ops = None
     if enabled():
         try:
-            from torch.utils.cpp_extension import load
-            d = build_dir()
-            d.mkdir(parents=True, exist_ok=True)
-            ops = load(name="moe_trainer_cpu_kernels", sources=[str(SOURCE)], build_directory=str(d),
-                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                       verbose=False)
+            ops = _load_serialised(build_dir())
         except Exception as e:  # no compiler, no ninja, an unknown -march: the torch-op path still works
             warnings.warn(f"the fused CPU kernels could not be built ({type(e).__name__}: "
                           f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); using torch ops.")
             ops = None
     _CACHE["ops"] = ops
     return ops
+
+
+def _load_serialised(d: Path) -> Any:
+    """torch.utils.cpp_extension.load under an flock on the build directory.
+
+    torch's own guard is a lock *file* (FileBaton) that a builder killed mid-build (a rank of a
+    job torn down by the launcher) leaves behind, and every later process then waits on it
+    forever. An flock is dropped by the kernel when its holder dies, so holding one around the
+    load, only one process builds at a time and a baton found under it is a dead builder's."""
+    import fcntl
+
+    from torch.utils.cpp_extension import load
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / "build.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released on close, or by the kernel if this process dies
+        (d / "lock").unlink(missing_ok=True)  # torch's baton: a dead builder's, since we hold the flock
+        return load(name="moe_trainer_cpu_kernels", sources=[str(SOURCE)], build_directory=str(d),
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def ops_for(*tensors: torch.Tensor) -> Optional[Any]:

@@ -23,4 +23,6 @@ install_project() {  # $1: extras spec, e.g. "[test]" or ""
   # DeepSpeed JIT-builds its shared-memory op on first init_distributed (~40 s): do it once here
   "$VPY" -c "from deepspeed.accelerator import get_accelerator as g; g().create_op_builder('ShareMemCommBuilder').load()" \
     >/dev/null 2>&1 || true
+  # and ours (~20 s once), so the ranks of a job never race to build it
+  "$VPY" -m moe_trainer.cpu_kernels >/dev/null 2>&1 || true
 }

@@ -6,6 +6,9 @@ softmax: forward and backward against a masked float64 softmax (offsets, strided
 explicit CPU attention with it (blocked GEMMs) against its torch-op path and SDPA. RMSNorm: output
 and both gradients against the torch-op path and float64."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,6 +133,24 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
     a = ex.swiglu_forward(h, gate)
     g64, u64 = h[:, :4].double(), h[:, 4:].double()
     assert _rel(a, torch.nn.functional.silu(g64) * u64 * gate.double()[:, None]) < 1e-6
+
+
+def test_a_dead_builders_lock_file_does_not_block_the_next_process(tmp_path):
+    """A builder killed mid-build (a rank the launcher tore down) leaves torch's lock file behind;
+    the next process must still get through (here: to the failed build's fallback), not wait on
+    it forever. Run in a subprocess with a timeout, so a regression fails instead of hanging."""
+    broken = tmp_path / "cpu_kernels.cpp"
+    broken.write_text("this is not C++\n")
+    script = (
+        "import warnings, pathlib; from moe_trainer import cpu_kernels as c\n"
+        f"c.SOURCE = pathlib.Path({str(broken)!r})\n"
+        "d = c.build_dir(); d.mkdir(parents=True); (d / 'lock').touch()\n"
+        "warnings.simplefilter('ignore')\n"
+        "print(c.kernels() is None, (d / 'lock').exists())\n")
+    env = dict(os.environ, MOE_TRAINER_KERNEL_DIR=str(tmp_path / "kernels"))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "False"]
 
 
 # ----------------------------------------------------------------------------- causal softmax
