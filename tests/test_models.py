@@ -71,7 +71,8 @@ def _experts_run(impl, w1, w2, x, gate, counts, dtype):
 def test_grouped_experts_equal_loop_reference(dtype, tol, hidden, count_grouped_mm):
     """Outputs and all gradients (input, gate, both weights), with an expert that gets no rows.
     hidden=6 rows are 24 bytes, which torch._grouped_mm rejects: the grouped path falls back. CPU
-    bf16 runs the padded-rows path (one mm per expert on a bounded set of shapes) instead."""
+    bf16 runs the padded-rows path (one mm per expert on a bounded set of shapes) instead, and CPU
+    fp32 the fused kernel with one thread per expert (ThreadedCPUExperts)."""
     g = torch.Generator().manual_seed(0)
     n, inter, counts = 5, 8, [3, 0, 6, 2, 1]
     w1 = torch.randn(n, 2 * inter, hidden, generator=g) / math.sqrt(hidden)
@@ -85,7 +86,8 @@ def test_grouped_experts_equal_loop_reference(dtype, tol, hidden, count_grouped_
         assert a.abs().max() > 0
         torch.testing.assert_close(a, b, atol=tol * max(1.0, b.abs().max().item()), rtol=tol)
     padded = experts_mod.row_quantum(x.to(dtype)) > 1
-    assert used_grouped_mm == (experts_mod.GROUPED_MM and hidden == 32 and not padded)
+    threaded = experts_mod.threaded_cpu_ops(x.to(dtype)) is not None
+    assert used_grouped_mm == (experts_mod.GROUPED_MM and hidden == 32 and not padded and not threaded)
     assert torch.equal(grouped[3][1], torch.zeros_like(grouped[3][1]))  # the empty expert: zero gradient
 
 

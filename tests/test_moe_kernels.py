@@ -199,3 +199,80 @@ def test_experts_pick_padded_rows_for_cpu_bf16(monkeypatch):
     assert len(shapes) == 8 and all(r % ex.EXPERT_ROW_QUANTUM == 0 for r in shapes)
     y_ref = ref(x, counts, None)
     assert (y.float() - y_ref.float()).norm() / y_ref.float().norm() < 1e-2
+
+
+# ----------------------------------------------------------------------------- one thread per expert (CPU fp32)
+
+@pytest.fixture
+def threaded_ops():
+    x = torch.empty(1, 1)
+    ops = ex.threaded_cpu_ops(x)
+    assert ops is not None, "the fused CPU kernels must build on this machine"
+    return ops
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("with_gate", [True, False])
+@pytest.mark.parametrize("counts", [(5, 0, 7, 3, 17, 0, 2), (1, 90, 2, 0, 3)], ids=["spread", "one-hot-expert"])
+def test_threaded_experts_equal_grouped(threads, with_gate, counts, threaded_ops):
+    """ThreadedCPUExperts' output and every gradient equal GroupedSwiGLUExperts' on the same inputs:
+    empty experts (zero weight gradients), and an expert with most of the rows, which runs after the
+    queue on all threads."""
+    x, w1, w2, gate, counts = _expert_inputs(torch.float32, counts=counts, d=16, hid=8)
+    gate = gate if with_gate else None
+    leaves = [t for t in (x, w1, w2, gate) if t is not None]
+    dy = torch.linspace(-1, 1, x.numel()).view_as(x)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = []
+        for threaded in (True, False):
+            if threaded:
+                y = ex.ThreadedCPUExperts.apply(x, w1, w2, gate, counts, threaded_ops)
+            else:
+                y = ex.GroupedSwiGLUExperts.apply(x, w1, w2, gate, counts, False)
+            results.append((y, *torch.autograd.grad(y, leaves, dy)))
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    empty = counts.index(0)
+    assert torch.equal(results[0][2][empty], torch.zeros_like(w1[empty]))
+    assert torch.equal(results[0][3][empty], torch.zeros_like(w2[empty]))
+
+
+def test_threaded_experts_compute_only_the_gradients_asked_for(threaded_ops):
+    """Frozen weights (or an input without grad): those gradients are None, the others still equal
+    the reference's."""
+    x, w1, w2, gate, counts = _expert_inputs(torch.float32, counts=(4, 6, 0, 3), d=16, hid=8)
+    w1.requires_grad_(False)
+    w2.requires_grad_(False)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    y = ex.ThreadedCPUExperts.apply(x, w1, w2, gate, counts, threaded_ops)
+    y_ref = ex.GroupedSwiGLUExperts.apply(x, w1, w2, gate, counts, False)
+    got, want = torch.autograd.grad(y, (x, gate), dy), torch.autograd.grad(y_ref, (x, gate), dy)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_experts_pick_the_threaded_kernel_for_cpu_fp32(monkeypatch, threaded_ops):
+    """The module runs CPU fp32 through ThreadedCPUExperts (and no torch.mm from Python), with the
+    loop reference's results."""
+    torch.manual_seed(0)
+    counts = [37, 0, 80, 5, 33]
+    fast, ref = ex.Experts(5, 32, 24, impl="grouped"), ex.Experts(5, 32, 24, impl="loop")
+    for m in (fast, ref):
+        torch.manual_seed(0)
+        torch.nn.init.normal_(m.gate_up_proj, std=0.2)
+        torch.nn.init.normal_(m.down_proj, std=0.2)
+    x = torch.randn(sum(counts), 32, requires_grad=True)
+    shapes = _record_mm(monkeypatch)
+    y = fast(x, counts, None)
+    assert shapes == [] and type(y.grad_fn).__name__.startswith("ThreadedCPUExperts")
+    y_ref = ref(x, counts, None)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    dy = torch.randn_like(y)
+    g = torch.autograd.grad(y, (x, fast.gate_up_proj, fast.down_proj), dy)
+    g_ref = torch.autograd.grad(y_ref, (x, ref.gate_up_proj, ref.down_proj), dy)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

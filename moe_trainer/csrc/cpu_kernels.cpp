@@ -23,6 +23,16 @@
 //   backward: dn_j = round(dy_j w_j),  dx_j = r (dn_j - n_j mean_k(dn_k n_k)),  n = x r
 //             dw_j = sum over rows of dy_j round(x_j r)                          (fp32 accumulation)
 //
+// Routed experts in fp32, one task per expert (moe/experts.py: ThreadedCPUExperts): each of an
+// expert's GEMMs on one thread, the threads taking experts from a shared queue (largest first), the
+// SwiGLU between them on the same thread while the block is in its cache. torch's per-GEMM
+// threading splits every expert's small GEMMs (a few hundred rows) across the cores and meets at
+// a barrier after each; here the only barrier is at the end. An expert holding more than a
+// 1 / (2 * threads) share of the rows (a hot expert) would stall the queue, so it runs after the
+// queue, on all threads, as torch would run it.
+//   forward:  h_e = x_e W1_e^T,  a_e = silu(g) * u * gate,  out_e = a_e W2_e^T       (h, a saved)
+//   backward: dW2_e = dy_e^T a_e,  da = dy_e W2_e,  dh = SwiGLU'(da),  dW1_e = dh^T x_e,  dx_e = dh W1_e
+//
 // Routing bookkeeping, for the router and the dispatchers (moe/router.py, moe/dispatcher.py,
 // parallel/expert.py): a row-wise top-k of the (N, E) selection scores (E is tens to hundreds, k a
 // handful: one insertion pass per row instead of torch.topk's general kernel) and a stable
@@ -39,7 +49,9 @@
 // byte counts published with release stores and read with acquire loads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/util/BFloat16.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -246,6 +258,167 @@ std::vector<torch::Tensor> silu_mul_backward(torch::Tensor da, torch::Tensor g, 
                   du.data_ptr<T>(), nullptr, g.size(0), g.size(1));
   });
   return {dg, du};
+}
+
+// ------------------------------------------------------------------------------ routed experts (fp32)
+
+// Experts in the order the threads take them: the queue (largest first) and the hot ones.
+struct ExpertTasks {
+  std::vector<int64_t> start;  // (E + 1,) first row of each expert
+  std::vector<int64_t> queue, hot;
+  int64_t max_queue_rows = 0, max_hot_rows = 0;
+};
+
+ExpertTasks expert_tasks(const std::vector<int64_t>& counts, int64_t threads) {
+  ExpertTasks t;
+  const int64_t n = static_cast<int64_t>(counts.size());
+  t.start.assign(n + 1, 0);
+  for (int64_t e = 0; e < n; ++e) {
+    TORCH_CHECK(counts[e] >= 0, "cpu_kernels: negative expert row count");
+    t.start[e + 1] = t.start[e] + counts[e];
+  }
+  const int64_t hot = threads > 1 ? t.start[n] / (2 * threads) : t.start[n];
+  for (int64_t e = 0; e < n; ++e) {
+    if (counts[e] == 0) continue;
+    if (counts[e] > hot) {
+      t.hot.push_back(e);
+      t.max_hot_rows = std::max(t.max_hot_rows, counts[e]);
+    } else {
+      t.queue.push_back(e);
+      t.max_queue_rows = std::max(t.max_queue_rows, counts[e]);
+    }
+  }
+  std::stable_sort(t.queue.begin(), t.queue.end(), [&](int64_t a, int64_t b) { return counts[a] > counts[b]; });
+  return t;
+}
+
+// Runs task(e, scratch index) for every queued expert on the pool's threads (each expert on one:
+// the GEMMs and at::parallel_for inside see a parallel region and stay on it), then every hot
+// expert on all threads (scratch index 0). Autograd is below us: the callers are autograd
+// Functions, and the workers do not inherit the caller's grad mode.
+template <typename F>
+void run_expert_tasks(const ExpertTasks& t, F&& task) {
+  std::atomic<int64_t> next{0};
+  std::atomic_flag failed = ATOMIC_FLAG_INIT;
+  std::exception_ptr error;
+  const int64_t n = static_cast<int64_t>(t.queue.size());
+  if (n > 0) {
+#pragma omp parallel
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      const int slot = omp_get_thread_num();
+      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+        try {
+          task(t.queue[i], slot);
+        } catch (...) {
+          if (!failed.test_and_set()) error = std::current_exception();
+          next.store(n);
+        }
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  for (int64_t e : t.hot) task(e, 0);
+}
+
+void check_experts(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& w2,
+                   const c10::optional<torch::Tensor>& gate, const std::vector<int64_t>& counts) {
+  for (const torch::Tensor* t : {&x, &w1, &w2})
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == torch::kFloat,
+                "cpu_kernels: the expert kernels take contiguous float32 CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && w1.dim() == 3 && w2.dim() == 3 && w1.size(2) == x.size(1) && w2.size(1) == x.size(1) &&
+                  w1.size(1) == 2 * w2.size(2) && w1.size(0) == w2.size(0) &&
+                  static_cast<int64_t>(counts.size()) == w1.size(0),
+              "cpu_kernels: experts need x (M, d), w1 (E, 2H, d), w2 (E, d, H) and E counts");
+  int64_t rows = 0;
+  for (int64_t c : counts) rows += c;
+  TORCH_CHECK(rows == x.size(0), "cpu_kernels: expert row counts must add up to x's rows");
+  if (gate.has_value())
+    TORCH_CHECK(gate->device().is_cpu() && gate->is_contiguous() && gate->scalar_type() == torch::kFloat &&
+                    gate->dim() == 1 && gate->size(0) == x.size(0),
+                "cpu_kernels: the expert gate must be a contiguous (M,) float32 CPU tensor");
+}
+
+// -> (out (M, d), h (M, 2H), a (M, H))
+std::vector<torch::Tensor> experts_forward(torch::Tensor x, torch::Tensor w1, torch::Tensor w2,
+                                           c10::optional<torch::Tensor> gate, std::vector<int64_t> counts) {
+  check_experts(x, w1, w2, gate, counts);
+  const int64_t m = x.size(0), d = x.size(1), hid = w2.size(2);
+  auto out = torch::empty({m, d}, x.options());
+  auto h = torch::empty({m, 2 * hid}, x.options());
+  auto a = torch::empty({m, hid}, x.options());
+  const float* gp = gate.has_value() ? gate->data_ptr<float>() : nullptr;
+  const ExpertTasks t = expert_tasks(counts, at::get_num_threads());
+  run_expert_tasks(t, [&](int64_t e, int) {
+    const int64_t r0 = t.start[e], n = counts[e];
+    auto he = h.narrow(0, r0, n), ae = a.narrow(0, r0, n), oe = out.narrow(0, r0, n);
+    at::mm_out(he, x.narrow(0, r0, n), w1[e].t());
+    const float* hp = he.data_ptr<float>();
+    forward_rows(hp, hp + hid, 2 * hid, gp ? gp + r0 : nullptr, ae.data_ptr<float>(), n, hid);
+    at::mm_out(oe, ae, w2[e].t());
+  });
+  return {out, h, a};
+}
+
+// -> (dx or undefined, dw1, dw2 (or undefined), dgate (M,) or undefined); an expert without rows
+// gets zero weight gradients
+std::vector<torch::Tensor> experts_backward(torch::Tensor dy, torch::Tensor x, torch::Tensor w1, torch::Tensor w2,
+                                            c10::optional<torch::Tensor> gate, torch::Tensor h, torch::Tensor a,
+                                            std::vector<int64_t> counts, bool need_x, bool need_w,
+                                            bool need_gate) {
+  check_experts(x, w1, w2, gate, counts);
+  const int64_t m = x.size(0), hid = w2.size(2);
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.is_contiguous() && dy.scalar_type() == torch::kFloat &&
+                  h.is_contiguous() && h.size(0) == m && h.size(1) == 2 * hid && a.is_contiguous() &&
+                  a.size(0) == m && a.size(1) == hid,
+              "cpu_kernels: experts_backward needs dy like x and the forward's h and a");
+  TORCH_CHECK(!need_gate || gate.has_value(), "cpu_kernels: a gate gradient needs a gate");
+  torch::Tensor dx, dw1, dw2, dgate;
+  if (need_x) dx = torch::empty_like(x);
+  if (need_w) {
+    dw1 = torch::empty_like(w1);
+    dw2 = torch::empty_like(w2);
+    for (size_t e = 0; e < counts.size(); ++e)
+      if (counts[e] == 0) {
+        dw1[e].zero_();
+        dw2[e].zero_();
+      }
+  }
+  if (need_gate) dgate = torch::empty({m}, x.options());
+  const float* gp = gate.has_value() ? gate->data_ptr<float>() : nullptr;
+  const int64_t threads = at::get_num_threads();
+  const ExpertTasks t = expert_tasks(counts, threads);
+  // per-thread da (rows, H) and dh (rows, 2H) of one expert; slot 0 also serves the hot experts
+  std::vector<torch::Tensor> da_s(threads), dh_s(threads);
+  for (int64_t i = 0; i < threads; ++i) {
+    const int64_t rows = i == 0 ? std::max(t.max_queue_rows, t.max_hot_rows) : t.max_queue_rows;
+    da_s[i] = torch::empty({rows, hid}, x.options());
+    dh_s[i] = torch::empty({rows, 2 * hid}, x.options());
+  }
+  run_expert_tasks(t, [&](int64_t e, int slot) {
+    const int64_t r0 = t.start[e], n = counts[e];
+    auto dye = dy.narrow(0, r0, n), he = h.narrow(0, r0, n);
+    auto da = da_s[slot].narrow(0, 0, n), dh = dh_s[slot].narrow(0, 0, n);
+    if (need_w) {
+      auto g2 = dw2[e];
+      at::mm_out(g2, dye.t(), a.narrow(0, r0, n));
+    }
+    at::mm_out(da, dye, w2[e]);
+    float* dhp = dh.data_ptr<float>();
+    const float* hp = he.data_ptr<float>();
+    backward_rows(da.data_ptr<float>(), hp, hp + hid, 2 * hid, gp ? gp + r0 : nullptr, dhp, dhp + hid,
+                  need_gate ? dgate.data_ptr<float>() + r0 : nullptr, n, hid);
+    if (need_w) {
+      auto g1 = dw1[e];
+      at::mm_out(g1, dh.t(), x.narrow(0, r0, n));
+    }
+    if (need_x) {
+      auto dxe = dx.narrow(0, r0, n);
+      at::mm_out(dxe, dh, w1[e]);
+    }
+  });
+  return {dx, dw1, dw2, dgate};
 }
 
 // ------------------------------------------------------------------------------ causal softmax
@@ -728,6 +901,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_backward", &swiglu_backward, "(dh, [dgate]) of swiglu_forward");
   m.def("silu_mul_forward", &silu_mul_forward, "silu(g) * u for separate (M, H) g and u");
   m.def("silu_mul_backward", &silu_mul_backward, "(dg, du) of silu_mul_forward");
+  m.def("experts_forward", &experts_forward, "fp32 routed experts, one task per expert: (out, h, a)");
+  m.def("experts_backward", &experts_backward, "(dx, dw1, dw2, dgate) of experts_forward");
   m.def("rms_norm_forward", &rms_norm_forward, "(y, rstd) of RMSNorm, rounding as the reference");
   m.def("rms_norm_backward", &rms_norm_backward, "(dx, dw fp32) of rms_norm_forward");
   m.def("topk_rows", &topk_rows, "each row's k largest (indices), largest first, ties to the lower index");

@@ -352,6 +352,42 @@ class PaddedSwiGLUExperts(torch.autograd.Function):
         return dx, dw1, dw2, dgate, None, None
 
 
+# ----------------------------------------------------------------------------- one thread per expert (CPU fp32)
+
+def threaded_cpu_ops(x: torch.Tensor, *tensors: Optional[torch.Tensor]):
+    """The fused kernels when ThreadedCPUExperts can take these tensors (contiguous fp32 on a CPU,
+    kernels built), else None."""
+    if x.dtype != torch.float32 or any(t is not None and t.dtype != torch.float32 for t in tensors):
+        return None
+    ops = cpu_kernels.ops_on_cpu(x, *(t for t in tensors if t is not None))
+    return ops if ops is not None and hasattr(ops, "experts_forward") else None
+
+
+class ThreadedCPUExperts(torch.autograd.Function):
+    """GroupedSwiGLUExperts on a CPU in fp32, each expert one task on one thread (cpu_kernels.cpp:
+    experts_forward / experts_backward): an expert's GEMMs and SwiGLU run on one core while the
+    block is in its cache, and the cores meet once per call instead of after every GEMM, which
+    torch's per-GEMM threading splits across them (an expert's GEMMs are a few hundred rows).
+    Saves x, the pre-activation and the SwiGLU output, as GroupedSwiGLUExperts does; results equal
+    it up to float rounding (tests/test_moe_kernels.py)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, gate, counts, ops):
+        out, h, a = ops.experts_forward(x.detach(), w1.detach(), w2.detach(),
+                                        gate.detach() if gate is not None else None, counts)
+        ctx.save_for_backward(x, w1, w2, gate, h, a)
+        ctx.counts, ctx.ops = counts, ops
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w1, w2, gate, h, a = ctx.saved_tensors
+        need_x, need_w1, need_w2, need_gate = ctx.needs_input_grad[:4]
+        dx, dw1, dw2, dgate = ctx.ops.experts_backward(dy.contiguous(), x, w1, w2, gate, h, a, ctx.counts, need_x,
+                                                       need_w1 or need_w2, need_gate and gate is not None)
+        return dx, dw1 if need_w1 else None, dw2 if need_w2 else None, dgate, None, None
+
+
 def _grouped_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return GROUPED_MM and x.dtype in _GROUPED_DTYPES and all(_aligned(t) for t in (x,) + weights)
 
@@ -377,9 +413,14 @@ class Experts(nn.Module):
         if x.shape[0] == 0:
             # no tokens: keep the weights in the graph so they get (zero) gradients
             return x + 0.0 * (self.gate_up_proj.sum() + self.down_proj.sum()).to(x.dtype)
-        q = row_quantum(x)
-        if q > 1 and self.impl != "loop":
-            return PaddedSwiGLUExperts.apply(x.contiguous(), self.gate_up_proj, self.down_proj, gate, counts, q)
+        if self.impl != "loop":
+            x = x.contiguous()
+            q = row_quantum(x)
+            if q > 1:
+                return PaddedSwiGLUExperts.apply(x, self.gate_up_proj, self.down_proj, gate, counts, q)
+            ops = threaded_cpu_ops(x, self.gate_up_proj, self.down_proj, gate)
+            if ops is not None:
+                return ThreadedCPUExperts.apply(x, self.gate_up_proj, self.down_proj, gate, counts, ops)
         return self._forward(x, counts, gate)
 
     def _swiglu(self, h: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
