@@ -198,11 +198,12 @@ def test_causal_softmax_kernel_on_a_strided_block(ops):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("t", [1, 37, 300, 600])
 def test_fused_causal_attention_equals_torch_ops(ops, monkeypatch, dtype, t):
-    """ExplicitCausalAttention with the fused kernel (and, from 129 rows in fp32 / 257 in bf16, the
-    blocked GEMMs that skip the hidden tiles) against its torch-op path and float64 SDPA: outputs
-    and the three gradients."""
+    """ExplicitCausalAttention with the fused kernels against its torch-op path and float64 SDPA:
+    outputs and the three gradients. fp32 runs the whole-attention kernel (one task per batch x
+    head, on 1 and on 2 threads); then, as bf16 does, the fused softmax with blocked GEMMs that
+    skip the hidden tiles (from 129 rows in fp32 / 257 in bf16)."""
     from moe_trainer.models import layers
-    calls = []
+    calls, whole_calls = [], []
     real = ops.causal_softmax_forward_
     monkeypatch.setattr(ops, "causal_softmax_forward_", lambda *a: calls.append(a[0].shape) or real(*a))
     gen = torch.Generator().manual_seed(t)
@@ -217,16 +218,31 @@ def test_fused_causal_attention_equals_torch_ops(ops, monkeypatch, dtype, t):
         out = layers.ExplicitCausalAttention.apply(*qkv, 0.25)
         return [out, *torch.autograd.grad(out, qkv, w64.to(dtype))]
 
+    results = []
+    if dtype == torch.float32:
+        real_whole = ops.causal_attention_forward
+        monkeypatch.setattr(ops, "causal_attention_forward",
+                            lambda *a: whole_calls.append(a[0].shape) or real_whole(*a))
+        before = torch.get_num_threads()
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            try:
+                results.append(run())
+            finally:
+                torch.set_num_threads(before)
+        assert whole_calls == [(6, t, 24)] * 2 and calls == []
+        monkeypatch.setattr(layers, "fused_attention_ops", lambda q: None)  # the blocked path next
     fused = run()
     blocks = layers.causal_blocks(t, layers.CAUSAL_BLOCK_ROWS[dtype])
-    assert calls == [(6, r1 - r0, r1) for r0, r1 in blocks]  # the fused path ran, block by block
+    assert calls == [(6, r1 - r0, r1) for r0, r1 in blocks]  # the fused softmax ran, block by block
     _reference(monkeypatch)
     torch_ops = run()
-    for a, b, ref in zip(fused, torch_ops, truth):
-        if dtype == torch.float32:
-            assert _rel(a, ref) < 1e-5
-        else:  # within bf16 rounding, and about as close to the truth as the torch ops
-            assert _rel(a, ref) < 2e-2 and _rel(a, ref) < 1.5 * _rel(b, ref) + 2e-3
+    for path in results + [fused]:
+        for a, b, ref in zip(path, torch_ops, truth):
+            if dtype == torch.float32:
+                assert _rel(a, ref) < 1e-5
+            else:  # within bf16 rounding, and about as close to the truth as the torch ops
+                assert _rel(a, ref) < 2e-2 and _rel(a, ref) < 1.5 * _rel(b, ref) + 2e-3
 
 
 def test_causal_softmax_kernel_nan_stays_in_its_row(ops):

@@ -15,6 +15,14 @@
 //   forward:  p_j = exp(scale * (s_j - max_k s_k)) / sum_k exp(...)    over visible j, else 0
 //   backward: ds_j = scale * p_j * (dp_j - sum_k p_k dp_k)              (in place over dp)
 //
+// Causal attention in fp32 (models/layers.py: ExplicitCausalAttention), one task per (batch, head):
+// its query blocks one after the other on one thread, each block's scores, softmax and output in
+// that thread's cache, through BLAS sgemm called directly (a few microseconds less per GEMM than
+// a torch op, and beta = 1 accumulates dK and dV in place); the threads meet once per call. Block
+// b of rows [r0, r1) keeps its probabilities against keys [0, r1), as the torch-op path does.
+//   forward:  P = softmax(scale Q_b K^T) (causal),  O_b = P V
+//   backward: dV += P^T dO_b,  dS = scale P * (dO_b V^T - rowsum),  dQ_b = dS K,  dK += dS^T Q_b
+//
 // RMSNorm, for every norm of both models (models/layers.py): one pass each way instead of torch's
 // cast, square, mean, rsqrt, scale, cast and gain (forward) and their backward chain. Rounds where
 // the reference rounds: the normalised row to the input dtype before the gain, as Llama and
@@ -69,6 +77,7 @@
 #include <cstdio>
 #include <fcntl.h>
 #include <signal.h>
+#include <dlfcn.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -262,6 +271,31 @@ std::vector<torch::Tensor> silu_mul_backward(torch::Tensor da, torch::Tensor g, 
 
 // ------------------------------------------------------------------------------ routed experts (fp32)
 
+// Runs task(i, thread slot) for i in [0, n) on the pool's threads, each task on one thread, taken
+// from a shared counter in order: the GEMMs and at::parallel_for inside a task see a parallel region
+// and stay on its thread. Autograd is below us (the callers are autograd Functions, and the workers
+// do not inherit the caller's grad mode). The first exception is rethrown after the region.
+template <typename F>
+void run_tasks(int64_t n, F&& task) {
+  std::atomic<int64_t> next{0};
+  std::atomic_flag failed = ATOMIC_FLAG_INIT;
+  std::exception_ptr error;
+#pragma omp parallel
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const int slot = omp_get_thread_num();
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      try {
+        task(i, slot);
+      } catch (...) {
+        if (!failed.test_and_set()) error = std::current_exception();
+        next.store(n);
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
 // Experts in the order the threads take them: the queue (largest first) and the hot ones.
 struct ExpertTasks {
   std::vector<int64_t> start;  // (E + 1,) first row of each expert
@@ -292,32 +326,11 @@ ExpertTasks expert_tasks(const std::vector<int64_t>& counts, int64_t threads) {
   return t;
 }
 
-// Runs task(e, scratch index) for every queued expert on the pool's threads (each expert on one:
-// the GEMMs and at::parallel_for inside see a parallel region and stay on it), then every hot
-// expert on all threads (scratch index 0). Autograd is below us: the callers are autograd
-// Functions, and the workers do not inherit the caller's grad mode.
+// Runs task(e, scratch index) for every queued expert on the pool's threads (run_tasks), then every
+// hot expert on all threads (scratch index 0).
 template <typename F>
 void run_expert_tasks(const ExpertTasks& t, F&& task) {
-  std::atomic<int64_t> next{0};
-  std::atomic_flag failed = ATOMIC_FLAG_INIT;
-  std::exception_ptr error;
-  const int64_t n = static_cast<int64_t>(t.queue.size());
-  if (n > 0) {
-#pragma omp parallel
-    {
-      at::AutoDispatchBelowADInplaceOrView below_autograd;
-      const int slot = omp_get_thread_num();
-      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-        try {
-          task(t.queue[i], slot);
-        } catch (...) {
-          if (!failed.test_and_set()) error = std::current_exception();
-          next.store(n);
-        }
-      }
-    }
-  }
-  if (error) std::rethrow_exception(error);
+  if (!t.queue.empty()) run_tasks(static_cast<int64_t>(t.queue.size()), [&](int64_t i, int slot) { task(t.queue[i], slot); });
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   for (int64_t e : t.hot) task(e, 0);
 }
@@ -510,6 +523,120 @@ torch::Tensor causal_softmax_backward_(torch::Tensor dp, torch::Tensor p, double
                           dp.stride(1), p.stride(0), p.stride(1), offset, static_cast<float>(scale));
   });
   return dp;
+}
+
+// ------------------------------------------------------------------------------ causal attention (fp32)
+
+// Fortran BLAS sgemm (column-major), resolved at load time from torch's own BLAS (MKL's, exported
+// by libtorch_cpu, or the library torch links). Weak: where there is none the symbol is null, the
+// attention kernels say so (has_blas) and the torch-op path runs.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc) __attribute__((weak));
+
+bool has_blas() { return sgemm_ != nullptr; }
+
+// Row-major C (m x n, ldc) = alpha op(A) op(B) + beta C; op(A) is (m x k): A itself (lda) or, if
+// ta, the transpose of a (k x m) A. Column-major BLAS computes C^T = op(B)^T op(A)^T.
+inline void gemm_rows(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                      const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const char opa = ta ? 'T' : 'N', opb = tb ? 'T' : 'N';
+  const int M = static_cast<int>(m), N = static_cast<int>(n), K = static_cast<int>(k);
+  const int LDA = static_cast<int>(lda), LDB = static_cast<int>(ldb), LDC = static_cast<int>(ldc);
+  sgemm_(&opb, &opa, &N, &M, &K, &alpha, b, &LDB, a, &LDA, &beta, c, &LDC);
+}
+
+struct QueryBlock {
+  int64_t r0, r1, offset;  // rows [r0, r1) against keys [0, r1); probabilities at `offset`
+};
+
+// ceil(t / block) near-equal blocks (as layers.causal_blocks) and where each one's probabilities go
+std::vector<QueryBlock> query_blocks(int64_t t, int64_t block, int64_t* total) {
+  const int64_t nb = std::max<int64_t>(1, (t + block - 1) / block);
+  std::vector<QueryBlock> out;
+  int64_t off = 0;
+  for (int64_t i = 0; i < nb; ++i) {
+    const int64_t r0 = t * i / nb, r1 = t * (i + 1) / nb;
+    out.push_back({r0, r1, off});
+    off += (r1 - r0) * r1;
+  }
+  *total = off;
+  return out;
+}
+
+void check_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  for (const torch::Tensor* x : {&q, &k, &v})
+    TORCH_CHECK(x->device().is_cpu() && x->is_contiguous() && x->scalar_type() == torch::kFloat && x->dim() == 3,
+                "cpu_kernels: attention takes contiguous (BH, T, D) float32 CPU tensors");
+  TORCH_CHECK(q.sizes() == k.sizes() && v.size(0) == q.size(0) && v.size(1) == q.size(1),
+              "cpu_kernels: attention needs q, k (BH, T, Dqk) and v (BH, T, Dv)");
+  TORCH_CHECK(has_blas(), "cpu_kernels: no BLAS sgemm in this process");
+}
+
+// -> (out (BH, T, Dv), probabilities (BH, P): each query block's (rows x r1) in turn)
+std::vector<torch::Tensor> causal_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
+                                                    int64_t block) {
+  check_attention(q, k, v);
+  TORCH_CHECK(block > 0 && scale > 0, "cpu_kernels: attention needs block > 0 and scale > 0");
+  const int64_t bh = q.size(0), t = q.size(1), dq = q.size(2), dv = v.size(2);
+  int64_t psize = 0;
+  const std::vector<QueryBlock> blocks = query_blocks(t, block, &psize);
+  auto out = torch::empty({bh, t, dv}, q.options());
+  auto probs = torch::empty({bh, psize}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float *op = out.data_ptr<float>(), *pp = probs.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  run_tasks(bh, [&](int64_t b, int) {
+    const float *Q = qp + b * t * dq, *K = kp + b * t * dq, *V = vp + b * t * dv;
+    for (const QueryBlock& qb : blocks) {
+      const int64_t rows = qb.r1 - qb.r0;
+      float* P = pp + b * psize + qb.offset;  // (rows, r1)
+      gemm_rows(false, true, rows, qb.r1, dq, 1.0f, Q + qb.r0 * dq, dq, K, dq, 0.0f, P, qb.r1);
+      softmax_rows<float>(P, 1, rows, qb.r1, 0, qb.r1, qb.r0, sc);
+      gemm_rows(false, false, rows, dv, qb.r1, 1.0f, P, qb.r1, V, dv, 0.0f, op + (b * t + qb.r0) * dv, dv);
+    }
+  });
+  return {out, probs};
+}
+
+// -> (dq, dk, dv)
+std::vector<torch::Tensor> causal_attention_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k,
+                                                     torch::Tensor v, torch::Tensor probs, double scale,
+                                                     int64_t block) {
+  check_attention(q, k, v);
+  const int64_t bh = q.size(0), t = q.size(1), dq = q.size(2), dv = v.size(2);
+  int64_t psize = 0;
+  const std::vector<QueryBlock> blocks = query_blocks(t, block, &psize);
+  TORCH_CHECK(dout.is_contiguous() && dout.scalar_type() == torch::kFloat && dout.sizes() == v.sizes() &&
+                  probs.is_contiguous() && probs.dim() == 2 && probs.size(0) == bh && probs.size(1) == psize,
+              "cpu_kernels: attention backward needs dout like v and the forward's probabilities");
+  auto gq = torch::empty_like(q), gk = torch::empty_like(k), gv = torch::empty_like(v);
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *dop = dout.data_ptr<float>(), *pp = probs.data_ptr<float>();
+  float *gqp = gq.data_ptr<float>(), *gkp = gk.data_ptr<float>(), *gvp = gv.data_ptr<float>();
+  int64_t widest = 0;
+  for (const QueryBlock& qb : blocks) widest = std::max(widest, (qb.r1 - qb.r0) * qb.r1);
+  std::vector<std::vector<float>> scratch(at::get_num_threads());  // dP / dS of one block, per thread
+  const float sc = static_cast<float>(scale);
+  run_tasks(bh, [&](int64_t b, int slot) {
+    const float *Q = qp + b * t * dq, *K = kp + b * t * dq, *V = vp + b * t * dv, *dO = dop + b * t * dv;
+    float *dQ = gqp + b * t * dq, *dK = gkp + b * t * dq, *dV = gvp + b * t * dv;
+    std::vector<float>& ds = scratch[slot];
+    ds.resize(widest);
+    std::memset(dK, 0, sizeof(float) * t * dq);
+    std::memset(dV, 0, sizeof(float) * t * dv);
+    for (const QueryBlock& qb : blocks) {
+      const int64_t rows = qb.r1 - qb.r0;
+      const float* P = pp + b * psize + qb.offset;
+      const float* G = dO + qb.r0 * dv;
+      gemm_rows(true, false, qb.r1, dv, rows, 1.0f, P, qb.r1, G, dv, 1.0f, dV, dv);             // dV += P^T dO
+      gemm_rows(false, true, rows, qb.r1, dv, 1.0f, G, dv, V, dv, 0.0f, ds.data(), qb.r1);     // dP = dO V^T
+      softmax_backward_rows<float>(ds.data(), P, 1, rows, qb.r1, 0, qb.r1, 0, qb.r1, qb.r0, sc);  // -> dS
+      gemm_rows(false, false, rows, dq, qb.r1, 1.0f, ds.data(), qb.r1, K, dq, 0.0f, dQ + qb.r0 * dq, dq);  // dQ
+      gemm_rows(true, false, qb.r1, dq, rows, 1.0f, ds.data(), qb.r1, Q + qb.r0 * dq, dq, 1.0f, dK, dq);   // dK +=
+    }
+  });
+  return {gq, gk, gv};
 }
 
 // ------------------------------------------------------------------------------ RMSNorm
@@ -903,6 +1030,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_backward", &silu_mul_backward, "(dg, du) of silu_mul_forward");
   m.def("experts_forward", &experts_forward, "fp32 routed experts, one task per expert: (out, h, a)");
   m.def("experts_backward", &experts_backward, "(dx, dw1, dw2, dgate) of experts_forward");
+  m.def("has_blas", &has_blas, "whether the attention kernels found a BLAS sgemm");
+  m.def("causal_attention_forward", &causal_attention_forward, "fp32 causal attention: (out, probabilities)");
+  m.def("causal_attention_backward", &causal_attention_backward, "(dq, dk, dv) of causal_attention_forward");
   m.def("rms_norm_forward", &rms_norm_forward, "(y, rstd) of RMSNorm, rounding as the reference");
   m.def("rms_norm_backward", &rms_norm_backward, "(dx, dw fp32) of rms_norm_forward");
   m.def("topk_rows", &topk_rows, "each row's k largest (indices), largest first, ties to the lower index");

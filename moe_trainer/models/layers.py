@@ -225,6 +225,17 @@ def causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device) -> tor
 # but run smaller GEMMs; measured best on 2 cores at T = 256-1024: 128 rows in fp32, 256 in bf16
 # (bf16 GEMMs are ~5x faster, so per-block costs weigh more).
 CAUSAL_BLOCK_ROWS = {torch.float32: 128, torch.bfloat16: 256}
+# fp32 through the fused kernel (one task per batch x head, cpu_kernels.cpp): its GEMMs cost
+# little per call, so smaller blocks skip more of the masked tiles; measured on 2 cores.
+FUSED_CAUSAL_BLOCK_ROWS = 64
+
+
+def fused_attention_ops(q: torch.Tensor):
+    """The kernels when the fp32 attention kernel takes q's dtype and device (and found a BLAS)."""
+    if q.dtype != torch.float32 or q.device.type != "cpu":
+        return None
+    ops = cpu_kernels.kernels()
+    return ops if ops is not None and hasattr(ops, "has_blas") and ops.has_blas() else None
 
 
 def causal_blocks(t: int, block: int) -> list[tuple[int, int]]:
@@ -246,7 +257,9 @@ class ExplicitCausalAttention(torch.autograd.Function):
     blocks of about CAUSAL_BLOCK_ROWS: every GEMM skips the tiles above the diagonal,
     and the fused causal softmax (cpu_kernels.py) replaces the mask, the softmax
     and the scaling of dQ and dK. Query block b keeps its probabilities against
-    keys [0, end of b); dK and dV sum the blocks' contributions in fp32. Checked against
+    keys [0, end of b); dK and dV sum the blocks' contributions in fp32. In fp32 one
+    kernel call does all of it (cpu_kernels.cpp: causal_attention_forward/backward),
+    a (batch, head) per task on one thread. Checked against
     F.scaled_dot_product_attention in tests/test_models.py and against the
     torch-op path in tests/test_cpu_kernels.py.
     """
@@ -258,7 +271,13 @@ class ExplicitCausalAttention(torch.autograd.Function):
         q3, k3, v3 = q.reshape(b * h, t, d), k.reshape(b * h, s, d), v.reshape(b * h, s, v.shape[-1])
         # the fused path depends only on device and dtype (every tensor it touches is made here)
         ops = cpu_kernels.ops_for(q3.new_empty(0)) if t == s and scale > 0 else None
-        ctx.scale, ctx.bh, ctx.fused = scale, (b, h), ops is not None
+        whole = fused_attention_ops(q3) if ops is not None else None
+        ctx.scale, ctx.bh, ctx.fused, ctx.whole = scale, (b, h), ops is not None, whole
+        if whole is not None:
+            q3, k3, v3 = q3.contiguous(), k3.contiguous(), v3.contiguous()
+            out, probs = whole.causal_attention_forward(q3, k3, v3, scale, FUSED_CAUSAL_BLOCK_ROWS)
+            ctx.save_for_backward(q3, k3, v3, probs)
+            return out.view(b, h, t, v.shape[-1])
         if ops is None:
             scores = torch.baddbmm(causal_mask(t, s, q.dtype, q.device), q3, k3.transpose(1, 2), alpha=scale)
             probs = torch.softmax(scores, dim=-1)
@@ -278,7 +297,10 @@ class ExplicitCausalAttention(torch.autograd.Function):
         q3, k3, v3, *probs = ctx.saved_tensors
         b, h = ctx.bh
         g3 = grad_out.reshape(b * h, grad_out.shape[2], grad_out.shape[3])
-        if ctx.fused:
+        if ctx.whole is not None:
+            dq, dk, dv = ctx.whole.causal_attention_backward(g3.contiguous(), q3, k3, v3, probs[0], ctx.scale,
+                                                             FUSED_CAUSAL_BLOCK_ROWS)
+        elif ctx.fused:
             ops, t = cpu_kernels.kernels(), q3.shape[1]
             blocks = causal_blocks(t, CAUSAL_BLOCK_ROWS[q3.dtype])
             if len(blocks) == 1:
