@@ -1,8 +1,13 @@
 """Expert-parallel throughput: our trainer at world 1/2/4 (fp32, bf16) and DeepSpeed AutoEP as the peer.
 
-    python -m moe_trainer.bench_ep [--steps 20] [--warmup 3] [--worlds 1,2,4] [--out docs/BENCHMARKS_ep.md]
+    python -m moe_trainer.bench_ep [--steps 20] [--warmup 3] [--worlds 1,2,4] [--out FILE.json]
 
 Each configuration runs under the deepspeed launcher (`--module moe_trainer.bench_ep --worker ...`).
+The configurations of one world size and dtype (ours with dedup off and on, the peer with glibc's
+allocator and with ours) start together and take turns one optimizer step at a time
+(bench_turns.py: while one steps on all its ranks, the others sleep), so a slow spell of the
+shared machine costs each of them about the same steps; every column is a median over the timed
+steps.
 Our worker builds the Trainer exactly as moe_trainer.train does and times `train_step()`:
   compute    = forward + backward - time inside the dispatch/combine all-to-alls (incl. the count exchange)
   all-to-all = CommCounter.seconds of dispatch*/combine* kinds (blocking: includes waiting for peers)
@@ -15,10 +20,9 @@ DeepSpeed AutoEP (ZeRO-1, torch AdamW from the DS config), the same batches.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
-import subprocess
+import statistics
 import sys
 import tempfile
 import time
@@ -45,11 +49,12 @@ def _init(world: int):
     init_distributed(300)  # and unlink DeepSpeed's /dev/shm segment
 
 
-def _summary(times: list[dict], world: int) -> dict:
-    n = len(times)
-    mean = {k: sum(t[k] for t in times) / n for k in times[0]}
-    tokens = GLOBAL_BATCH * SEQ
-    return {"world": world, "steps": n, "tokens_per_s": tokens / mean["step"], **{f"{k}_s": v for k, v in mean.items()}}
+def medians(steps: list[dict]) -> dict:
+    """tokens/s from the median step; compute, all-to-all and rest each their own median (so they
+    need not add up exactly)."""
+    med = {k: statistics.median(t[k] for t in steps) for k in ("step", "compute", "all_to_all", "rest")}
+    return {"steps": len(steps), "tokens_per_s": GLOBAL_BATCH * SEQ / med["step"],
+            **{f"{k}_s": v for k, v in med.items()}}
 
 
 def worker_ours(a) -> None:
@@ -57,6 +62,7 @@ def worker_ours(a) -> None:
     import torch.distributed as dist
 
     from . import plan
+    from .bench_turns import Turns
     from .config import load_config, validate_layout
     from .parallel.launch import keep_freed_memory
     from .parallel.mesh import build_mesh
@@ -70,27 +76,23 @@ def worker_ours(a) -> None:
         keep_freed_memory()
     rank = int(os.environ.get("RANK", "0"))
     trainer = Trainer(cfg, build_mesh(layout, rank), torch.device("cpu"))
-    times, sent = [], []
-    for step in range(a.steps):
+    turns = Turns(a.turns)
+    for _ in range(a.steps):
+        turns.wait()
         r = trainer.train_step()
         trainer.step += 1
-        if step < a.warmup:
-            continue
         t = r["times"]
         a2a = sum(v for k, v in r["comm"].get("seconds", {}).items() if k.startswith(("dispatch", "combine")))
-        times.append({"step": r["step_time"], "compute": t.forward + t.backward - a2a, "all_to_all": a2a,
-                      "rest": r["step_time"] - t.forward - t.backward})
-        sent.append(sum(r["comm"]["sent"].get(k, 0) for k in ("dispatch", "combine")))
-    if rank == 0:
-        m = cfg.model
-        local_tokens = GLOBAL_BATCH * SEQ / layout.dp
-        elem = 2 if a.dtype == "bf16" else 4
-        n_moe = m.num_hidden_layers - m.first_k_dense_replace
-        planned = plan.alltoall_bytes_expected(1, m.num_experts_per_tok, m.hidden_size, layout.ep, elem,
-                                               m.n_routed_experts, a.dedup, m.n_group, m.topk_group).sent * n_moe
-        out = {"impl": "ours", "dtype": a.dtype, "dedup": a.dedup, "ep": layout.ep, **_summary(times, world),
-               "bytes_per_token": sum(sent) / len(sent) / local_tokens, "planned_bytes_per_token": planned}
-        Path(a.result).write_text(json.dumps(out))
+        turns.report({"step": r["step_time"], "compute": t.forward + t.backward - a2a, "all_to_all": a2a,
+                      "rest": r["step_time"] - t.forward - t.backward,
+                      "sent": sum(r["comm"]["sent"].get(k, 0) for k in ("dispatch", "combine"))})
+    m = cfg.model
+    elem = 2 if a.dtype == "bf16" else 4
+    n_moe = m.num_hidden_layers - m.first_k_dense_replace
+    planned = plan.alltoall_bytes_expected(1, m.num_experts_per_tok, m.hidden_size, layout.ep, elem,
+                                           m.n_routed_experts, a.dedup, m.n_group, m.topk_group).sent * n_moe
+    turns.close({"impl": "ours", "dtype": a.dtype, "dedup": a.dedup, "ep": layout.ep, "world": world,
+                 "local_tokens": GLOBAL_BATCH * SEQ / layout.dp, "planned_bytes_per_token": planned})
     dist.barrier()
 
 
@@ -100,6 +102,7 @@ def worker_autoep(a) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from .bench_turns import Turns
     from .config import load_config
     from .data import open_data
 
@@ -124,67 +127,42 @@ def worker_autoep(a) -> None:
           "expert_parallel": {"enabled": True, "autoep_size": world, "preset_model": "deepseek_v3"}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     _, train_data, _ = open_data(cfg.data.path, t.seq_len, cfg.run.seed, cfg.model.vocab_size, cfg.data.val_fraction)
-    times = []
+    turns = Turns(a.turns)
     for step in range(a.steps):
+        turns.wait()
         t0 = time.perf_counter()
         fb = 0.0
         for micro in range(accum):
             batch = train_data.micro_batch(step, micro, GLOBAL_BATCH, MICRO_BATCH, rank, world)
             ta = time.perf_counter()
-            # HF shifts labels inside: feed the same seq_len tokens as ours
-            loss = engine(input_ids=batch[:, :-1], labels=batch[:, 1:]).loss
+            # the same seq_len input tokens as ours; HF shifts the labels itself (position t predicts t + 1)
+            tokens = batch[:, :-1]
+            loss = engine(input_ids=tokens, labels=tokens).loss
             engine.backward(loss)
             tb = time.perf_counter()
             engine.step()
             fb += tb - ta
         dt = time.perf_counter() - t0
-        if step >= a.warmup:
-            times.append({"step": dt, "compute": fb, "all_to_all": float("nan"), "rest": dt - fb})
-    if rank == 0:
-        out = {"impl": "autoep + allocator" if a.keep_freed else "autoep", "dtype": a.dtype, "dedup": False,
-               "ep": world, **_summary(times, world),
-               "bytes_per_token": float("nan"), "planned_bytes_per_token": float("nan")}
-        Path(a.result).write_text(json.dumps(out))
+        turns.report({"step": dt, "compute": fb, "all_to_all": float("nan"), "rest": dt - fb})
+    turns.close({"impl": "autoep + allocator" if a.keep_freed else "autoep", "dtype": a.dtype, "dedup": False,
+                 "ep": world, "world": world, "planned_bytes_per_token": float("nan")})
     dist.barrier()
 
 
 # ------------------------------------------------------------------ driver
 
-def _env() -> dict:
-    e = dict(os.environ)
-    e.setdefault("DS_ACCELERATOR", "cpu")
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    e["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1)))
-    return e
-
-
-def _port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_one(impl: str, world: int, dtype: str, steps: int, warmup: int, tmp: Path, dedup: bool = False,
-            hf: str = "", timeout: int = 900, keep_freed: bool = False) -> tuple[dict | None, str]:
-    tag = f"{impl}_w{world}_{dtype}{'_dedup' if dedup else ''}{'_kf' if keep_freed else ''}"
-    result = tmp / f"{tag}.json"
-    args = ["--worker", impl, "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup),
-            "--result", str(result), "--run-dir", str(tmp / tag)] + (["--dedup"] if dedup else []) + \
-        (["--hf", hf] if hf else []) + (["--keep-freed"] if keep_freed else [])
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(world), "--master_port", str(_port()),
-           "--module", "moe_trainer.bench_ep", *args]
-    env = _env()
-    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
-    shown = "deepspeed --num_gpus {} --module moe_trainer.bench_ep {}".format(
-        world, " ".join(a for a in args if not a.startswith(str(tmp))))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 or not result.exists():
-        print(f"{tag} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
-        return None, shown
-    r = json.loads(result.read_text())
-    print(json.dumps(r), flush=True)
-    return r, shown
+def worker_cmd(impl: str, world: int, dtype: str, steps: int, run_dir: Path, turns: str, dedup: bool = False,
+               hf: str = "", keep_freed: bool = False) -> tuple[list[str], str]:
+    """The launcher command of one configuration, and how the results show it."""
+    from .bench_turns import free_port
+    args = ["--worker", impl, "--dtype", dtype, "--steps", str(steps)] + (["--dedup"] if dedup else []) + \
+        (["--keep-freed"] if keep_freed else [])
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(world), "--master_port", str(free_port()),
+           "--module", "moe_trainer.bench_ep", *args, "--run-dir", str(run_dir), "--turns", turns] + \
+        (["--hf", hf] if hf else [])
+    shown = f"deepspeed --num_gpus {world} --module moe_trainer.bench_ep {' '.join(args)}" + \
+        (" --hf <to_hf export>" if hf else "")
+    return cmd, shown
 
 
 def export_hf(tmp: Path, dtype: str) -> str:
@@ -225,7 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-freed", action="store_true", help=argparse.SUPPRESS)  # AutoEP worker: our allocator
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--result", default="")
+    ap.add_argument("--turns", default="", help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", default="")
     ap.add_argument("--hf", default="")
     ap.add_argument("--worlds", default="1,2,4")
@@ -239,22 +217,16 @@ def main(argv=None) -> int:
         return 0
     worlds = [int(w) for w in a.worlds.split(",") if w]
     dtypes = [d for d in a.dtypes.split(",") if d]
+    peer_worlds = [int(w) for w in a.peer_worlds.split(",") if w]
     rows, cmds = [], []
     with tempfile.TemporaryDirectory(prefix="bench_ep_") as d:
         tmp = Path(d)
+        hf = {dt: export_hf(tmp, dt) for dt in dtypes} if peer_worlds else {}
         for dtype in dtypes:
-            for world in worlds:
-                for dedup in ([False, True] if world > 1 else [False]):
-                    r, c = run_one("ours", world, dtype, a.steps, a.warmup, tmp, dedup)
-                    cmds.append(c)
-                    rows.append(r) if r else None
-        peer_worlds = [int(w) for w in a.peer_worlds.split(",") if w]
-        for dtype in dtypes:
-            hf = export_hf(tmp, dtype) if peer_worlds else ""
-            for world, kf in itertools.product(peer_worlds, (False, True)):
-                r, c = run_one("autoep", world, dtype, a.steps, a.warmup, tmp, hf=hf, keep_freed=kf)
-                cmds.append(c.replace(hf, "<to_hf export>"))
-                rows.append(r) if r else None
+            for world in sorted(set(worlds) | set(peer_worlds)):
+                group = run_group(world, dtype, a, tmp, hf.get(dtype, ""), world in worlds, world in peer_worlds)
+                rows += group["rows"]
+                cmds += group["commands"]
     md = table(rows)
     ratios = []
     for r in rows:
@@ -268,6 +240,47 @@ def main(argv=None) -> int:
     if a.out:
         Path(a.out).write_text(json.dumps({"rows": rows, "commands": cmds, "ratios": ratios}, indent=1))
     return 0
+
+
+def run_group(world: int, dtype: str, a, tmp: Path, hf: str, ours: bool, peer: bool) -> dict:
+    """One world size and dtype: its configurations as jobs stepping in turns -> table rows."""
+    from .bench_turns import Referee, worker_env
+    jobs = ([("ours", dd) for dd in ([False, True] if world > 1 else [False])] if ours else []) + \
+        ([("autoep", kf) for kf in (False, True)] if peer else [])
+    referee = Referee()
+    steps: dict[str, list[dict]] = {}
+    commands, out = [], []
+    try:
+        for impl, flag in jobs:
+            name = f"{impl}_w{world}_{dtype}_{int(flag)}"
+            cmd, shown = worker_cmd(impl, world, dtype, a.steps, tmp / name, referee.address(name),
+                                    dedup=impl == "ours" and flag, hf=hf if impl == "autoep" else "",
+                                    keep_freed=impl == "autoep" and flag)
+            env = worker_env(max(1, (os.cpu_count() or 1) // world), ROOT)
+            referee.start(name, cmd, env, cwd=ROOT)
+            commands.append(shown)
+            steps[name] = []
+        referee.wait_ready()
+        for _ in range(a.steps):
+            for name in referee.running():
+                info = referee.step(name)
+                if info is not None:
+                    steps[name].append(info)
+        for name in referee.running():
+            result = referee.finish(name)
+            if result is None:
+                continue
+            timed = steps[name][a.warmup:]
+            row = {**result, **medians(timed), "bytes_per_token": float("nan")}
+            if result["impl"] == "ours":  # rank 0's dispatch + combine bytes sent per local token
+                row["bytes_per_token"] = statistics.mean(s["sent"] for s in timed) / result["local_tokens"]
+            out.append(row)
+            print(json.dumps(row), flush=True)
+        for name, err in referee.failures().items():
+            print(f"{name} failed:\n{err}", file=sys.stderr, flush=True)
+    finally:
+        referee.close()
+    return {"rows": out, "commands": commands}
 
 
 if __name__ == "__main__":

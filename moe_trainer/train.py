@@ -43,22 +43,15 @@ def _set_threads(device_type: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        _single_process_env()
-        world = int(os.environ["WORLD_SIZE"])
-        layout = validate_layout(cfg, world)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+def make_trainer(cfg, layout):
+    """This rank's Trainer, the process set up as a launched rank: device, threads, allocator,
+    kernels and the process group (the launcher's environment, or _single_process_env's)."""
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from .parallel.launch import init_distributed, keep_freed_memory, shutdown_distributed
+    from .parallel.launch import init_distributed, keep_freed_memory
     from .parallel.mesh import build_mesh
-    from .trainer import Trainer, TrainingHalted
+    from .trainer import Trainer
 
     accel = get_accelerator()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -71,10 +64,25 @@ def main(argv=None) -> int:
         from .cpu_kernels import kernels
         kernels()
     init_distributed(cfg.parallel.timeout_s)
-    rank = int(os.environ["RANK"])
-    mesh = build_mesh(layout, rank)
+    return Trainer(cfg, build_mesh(layout, int(os.environ["RANK"])), device)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     try:
-        trainer = Trainer(cfg, mesh, device)
+        cfg = load_config(args.config, args.overrides)
+        _single_process_env()
+        world = int(os.environ["WORLD_SIZE"])
+        layout = validate_layout(cfg, world)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    from .parallel.launch import shutdown_distributed
+    from .trainer import TrainingHalted
+
+    rank = int(os.environ["RANK"])
+    try:
+        trainer = make_trainer(cfg, layout)
         trainer.train()
     except (DataError, CheckpointError, ConfigError, HFFormatError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
