@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import tempfile
@@ -209,11 +210,31 @@ class Turns:
             self.conn.close()
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A free localhost TCP port (for a launcher's master port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free localhost TCP port for a launcher's master port, below the kernel's ephemeral range:
+    jobs started together open ephemeral ports for their own connections (gloo's), and one of those
+    could take a port picked there (port 0) before its job's store binds it (EADDRINUSE)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free TCP port below the ephemeral range")
 
 
 def worker_env(threads: int, root) -> dict:
