@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import tempfile
@@ -71,7 +72,8 @@ class Referee:
 
     def start(self, name: str, cmd: list[str], env: Optional[dict] = None, cwd=None) -> None:
         log = tempfile.TemporaryFile()
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+        # its own process group: a launcher's ranks are its children, and a failed job's go with it
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.jobs[name] = _Job(name, proc, log)
 
     def running(self) -> list[str]:
@@ -123,9 +125,7 @@ class Referee:
         return json.loads(line[len(kind) + 1:])
 
     def _fail(self, job: _Job, why: str) -> None:
-        if job.proc.poll() is None:
-            job.proc.kill()
-            job.proc.wait()
+        _kill(job.proc)
         job.error = f"{why}\n{job.tail()}"
 
     def step(self, name: str) -> Optional[dict]:
@@ -154,11 +154,18 @@ class Referee:
 
     def close(self) -> None:
         for job in self.jobs.values():
-            if job.proc.poll() is None:
-                job.proc.kill()
-                job.proc.wait()
+            _kill(job.proc)
             job.log.close()
         self.server.close()
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Ends a job's whole process group (a launcher and its ranks), if anything of it is left."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
 
 
 class Turns:
@@ -181,12 +188,15 @@ class Turns:
         """Reports the last step (if any) and blocks for the next command, on every rank."""
         import torch
         word = ""
+        multi = self.dist is not None and self.dist.get_world_size() > 1
+        if multi and self.pending is not None:  # the step is done when every rank is done with it
+            self.dist.barrier()
         if self.rank == 0:
             if self.pending is not None:
                 self.conn.sendall(f"DONE {json.dumps(self.pending)}\n".encode())
-                self.pending = None
             word = self.reader.readline().strip()
-        if self.dist is not None and self.dist.get_world_size() > 1:
+        self.pending = None
+        if multi:
             flag = torch.tensor([1 if word == "STEP" else 0])
             self.dist.broadcast(flag, 0)
             word = "STEP" if int(flag) else "END"
@@ -198,7 +208,8 @@ class Turns:
             raise JobFailed(f"{self.name}: the driver ended the job before its steps were done")
 
     def report(self, info: dict) -> None:
-        """After a step: what the driver gets back when this job next waits."""
+        """After a step, on every rank: rank 0's info is what the driver gets back when this job next
+        waits, once all ranks have finished the step."""
         self.pending = info
 
     def close(self, result: dict) -> None:

@@ -20,6 +20,10 @@ if "RANK" in os.environ:
     import torch.distributed as dist
     dist.init_process_group("gloo")
 rank = int(os.environ.get("RANK", "0"))
+if os.environ.get("CHILD_PID_FILE"):  # like a launcher: a child process that outlives a failure
+    import subprocess
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    open(os.environ["CHILD_PID_FILE"], "w").write(str(child.pid))
 turns = Turns(spec)
 with open(f"{log}.{rank}", "w") as out:
     for i in range(steps):
@@ -90,16 +94,20 @@ def test_jobs_step_in_turn_and_never_overlap(tmp_path):
 
 
 def test_a_failed_job_is_reported_and_the_others_go_on(tmp_path):
+    """...and its whole process group is gone (a launcher's ranks would otherwise wait forever)."""
     referee = Referee(timeout_s=120)
+    pid_file = tmp_path / "child.pid"
     try:
         _job(tmp_path, referee, "ok", 3)
-        _job(tmp_path, referee, "bad", 3, fail_at=1)
+        _job(tmp_path, referee, "bad", 3, fail_at=1, extra_env={"CHILD_PID_FILE": str(pid_file)})
         referee.wait_ready()
         for i in range(3):
             for name in referee.running():
                 referee.step(name)
         assert referee.running() == ["ok"]
         assert "job failed on purpose at step 1" in referee.failures()["bad"]
+        child = int(pid_file.read_text())
+        assert not Path(f"/proc/{child}").exists() or " Z " in Path(f"/proc/{child}/stat").read_text()
         assert referee.finish("ok") == {"name": "ok"}
     finally:
         referee.close()

@@ -180,19 +180,25 @@ def test_padded_experts_gradcheck(small_blocks):
     assert gradcheck(fn, (x, w1, w2, gate), eps=1e-6, atol=1e-5)
 
 
-def test_experts_pick_padded_rows_for_cpu_bf16(monkeypatch):
-    """The module takes the padded path for CPU bf16 (oneDNN's per-shape kernels) and the plain one
-    for fp32, with the same results as the loop reference."""
-    assert ex.row_quantum(torch.empty(1, dtype=torch.bfloat16)) == ex.EXPERT_ROW_QUANTUM
-    assert ex.row_quantum(torch.empty(1)) == 1
-    torch.manual_seed(0)
+def _fast_and_loop_experts(dtype):
+    """The same 5 experts as the module's fast path and as the loop reference, and rows for them."""
     counts = [37, 0, 80, 5, 33]
     fast, ref = ex.Experts(5, 32, 24, impl="grouped"), ex.Experts(5, 32, 24, impl="loop")
     for m in (fast, ref):
         torch.manual_seed(0)
         torch.nn.init.normal_(m.gate_up_proj, std=0.2)
         torch.nn.init.normal_(m.down_proj, std=0.2)
-        m.to(torch.bfloat16)
+        m.to(dtype)
+    return fast, ref, counts
+
+
+def test_experts_pick_padded_rows_for_cpu_bf16(monkeypatch):
+    """The module takes the padded path for CPU bf16 (oneDNN's per-shape kernels), with the same
+    results as the loop reference; fp32 rows are not padded."""
+    assert ex.row_quantum(torch.empty(1, dtype=torch.bfloat16)) == ex.EXPERT_ROW_QUANTUM
+    assert ex.row_quantum(torch.empty(1)) == 1
+    fast, ref, counts = _fast_and_loop_experts(torch.bfloat16)
+    torch.manual_seed(0)
     x = torch.randn(sum(counts), 32).to(torch.bfloat16)
     shapes = _record_mm(monkeypatch)
     y = fast(x, counts, None)
@@ -258,13 +264,8 @@ def test_threaded_experts_compute_only_the_gradients_asked_for(threaded_ops):
 def test_experts_pick_the_threaded_kernel_for_cpu_fp32(monkeypatch, threaded_ops):
     """The module runs CPU fp32 through ThreadedCPUExperts (and no torch.mm from Python), with the
     loop reference's results."""
+    fast, ref, counts = _fast_and_loop_experts(torch.float32)
     torch.manual_seed(0)
-    counts = [37, 0, 80, 5, 33]
-    fast, ref = ex.Experts(5, 32, 24, impl="grouped"), ex.Experts(5, 32, 24, impl="loop")
-    for m in (fast, ref):
-        torch.manual_seed(0)
-        torch.nn.init.normal_(m.gate_up_proj, std=0.2)
-        torch.nn.init.normal_(m.down_proj, std=0.2)
     x = torch.randn(sum(counts), 32, requires_grad=True)
     shapes = _record_mm(monkeypatch)
     y = fast(x, counts, None)
