@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -102,14 +103,15 @@ def stdlib_files() -> list[Path]:
 
 
 def default_corpus_dir(val_fraction: float = 0.02) -> Path:
-    """Build (once, cached) the default corpus: stdlib .py files as bytes."""
-    files = stdlib_files()
+    """Build (once, cached) the default corpus: stdlib .py files as bytes. The cache is keyed by
+    the standard library's place and the interpreter's exact version and build (an installed
+    stdlib does not change under one build), so a start-up finds it without walking the tree."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    key = hashlib.sha256(json.dumps([str(root), len(files), val_fraction,
-                                     sum(p.stat().st_size for p in files)]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(json.dumps([str(root), sys.version, FORMAT, val_fraction]).encode()).hexdigest()[:12]
     cache = Path(os.environ.get("MOE_TRAINER_CACHE", Path.home() / ".cache" / "moe_trainer"))
     out = cache / f"stdlib-{key}"
     if not (out / "index.json").is_file():
+        files = stdlib_files()
         docs = ((str(p.relative_to(root)), np.frombuffer(p.read_bytes(), dtype=np.uint8)) for p in files)
         write_token_dir(out, docs, BYTE_VOCAB_PADDED, EOS_ID, val_fraction,
                         {"type": "bytes", "bos_id": BOS_ID, "eos_id": EOS_ID, "pad_id": PAD_ID})

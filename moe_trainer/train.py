@@ -5,6 +5,7 @@ Also works with torchrun, or as a plain single process.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import sys
@@ -97,5 +98,14 @@ def main(argv=None) -> int:
     return 0
 
 
+def exit_without_final_collection(code: int) -> None:
+    """sys.exit(code) with every live object frozen first: the interpreter's teardown then skips
+    its last full garbage collection, which walks the whole heap torch._dynamo and the inductor
+    leave behind (1.5-2 s per rank on a laptop core). Files, atexit handlers and the streams
+    are still closed and flushed as usual."""
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_final_collection(main())
