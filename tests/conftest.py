@@ -1,9 +1,9 @@
 """Shared test helpers: launching the real trainer and reading what it leaves."""
 from __future__ import annotations
 
+import base64
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +26,8 @@ TINY = [
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from moe_trainer.bench_turns import free_port as below_ephemeral
+    return below_ephemeral()  # never a port a concurrent job's own connections may take first
 
 
 def spawn_ranks(fn, world: int, *args) -> dict:
@@ -50,11 +49,21 @@ def env() -> dict:
 
 def launch(n: int, out_dir: Path, overrides: list[str], config: str = "configs/moe_tiny.yaml",
            timeout: int = 300, launcher: str = "deepspeed") -> subprocess.CompletedProcess:
-    """Run the trainer under the real launcher with n ranks; returns the finished process."""
+    """Run the trainer under a real launcher with n ranks; returns the finished process.
+
+    "deepspeed" is DeepSpeed's per-node launcher (deepspeed.launcher.launch: it spawns the
+    ranks, sets their environment and ends them all when one fails), started the way the
+    `deepspeed` command starts it on a single node; "deepspeed-cli" goes through that command
+    itself (its runner only adds a second `import deepspeed`, ~2 s of one core per launch, which
+    the run-directory and launcher tests still pay)."""
     args = [f"--config={config}"] + [a for o in overrides + [f"run.out_dir={out_dir}"] for a in ("--set", o)]
-    if launcher == "deepspeed":
+    if launcher == "deepspeed-cli":
         cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(n), "--master_port", str(free_port()),
                "--module", "moe_trainer.train", *args]
+    elif launcher == "deepspeed":
+        world_info = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(n))}).encode()).decode()
+        cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--module", "moe_trainer.train", *args]
     elif launcher == "torchrun":
         cmd = [str(VENV_BIN / "torchrun"), f"--nproc-per-node={n}", f"--master-port={free_port()}",
                "-m", "moe_trainer.train", *args]

@@ -14,7 +14,8 @@ from conftest import TINY, check, launch, read_metrics, train_losses
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e") / "run"
     proc = check(launch(2, out, TINY + ["train.max_steps=8", "train.eval_every=4", "train.log_every=2",
-                                        "train.checkpoint_every=4", "train.keep_checkpoints=1"]))
+                                        "train.checkpoint_every=4", "train.keep_checkpoints=1"],
+                        launcher="deepspeed-cli"))  # the README's command, runner included
     return out, proc
 
 
