@@ -64,7 +64,12 @@ def write_token_dir(out_dir: Path, docs: Iterable[tuple[str, np.ndarray]], vocab
         raise
     if out_dir.exists():
         shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:
+        if not (out_dir / "index.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # a concurrent writer (another rank) put it there first
     return index
 
 
