@@ -132,6 +132,12 @@ def test_fp32_logits_router_gemm():
 
 # ---------------------------------------------------------------- expert GEMMs on rows padded to a quantum
 
+def _output_and_grads(run, leaves, dy):
+    """(y, *dL/dleaves) for y = run() and the upstream gradient dy."""
+    y = run()
+    return (y, *torch.autograd.grad(y, leaves, dy))
+
+
 def _record_mm(monkeypatch) -> list:
     """Records the rows of every torch.mm call (forward and backward) from here on: the output's,
     or for a weight gradient a^T b the rows it sums over."""
@@ -158,16 +164,11 @@ def test_padded_experts_equal_grouped(q, block, with_gate, monkeypatch):
     gate = gate if with_gate else None
     leaves = [t for t in (x, w1, w2, gate) if t is not None]
     dy = torch.linspace(-1, 1, x.numel()).view_as(x)
-    results = []
     shapes = _record_mm(monkeypatch)
-    for padded in (True, False):
-        if padded:
-            y = ex.PaddedSwiGLUExperts.apply(x, w1, w2, gate, counts, q)
-        else:
-            y = ex.GroupedSwiGLUExperts.apply(x, w1, w2, gate, counts, False)
-        results.append((y, *torch.autograd.grad(y, leaves, dy)))
-        if padded:
-            assert len(shapes) == 6 * sum(1 for c in counts if c) and all(r % q == 0 for r in shapes), shapes
+    results = [_output_and_grads(lambda: ex.PaddedSwiGLUExperts.apply(x, w1, w2, gate, counts, q), leaves, dy)]
+    assert len(shapes) == 6 * sum(1 for c in counts if c) and all(r % q == 0 for r in shapes), shapes
+    results.append(_output_and_grads(lambda: ex.GroupedSwiGLUExperts.apply(x, w1, w2, gate, counts, False),
+                                     leaves, dy))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     assert torch.equal(results[0][2][1], torch.zeros_like(w1[1]))  # an empty expert's gradients: zeros
@@ -231,13 +232,10 @@ def test_threaded_experts_equal_grouped(threads, with_gate, counts, threaded_ops
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        results = []
-        for threaded in (True, False):
-            if threaded:
-                y = ex.ThreadedCPUExperts.apply(x, w1, w2, gate, counts, threaded_ops)
-            else:
-                y = ex.GroupedSwiGLUExperts.apply(x, w1, w2, gate, counts, False)
-            results.append((y, *torch.autograd.grad(y, leaves, dy)))
+        results = [_output_and_grads(lambda: ex.ThreadedCPUExperts.apply(x, w1, w2, gate, counts, threaded_ops),
+                                     leaves, dy),
+                   _output_and_grads(lambda: ex.GroupedSwiGLUExperts.apply(x, w1, w2, gate, counts, False),
+                                     leaves, dy)]
     finally:
         torch.set_num_threads(before)
     for a, b in zip(*results):
