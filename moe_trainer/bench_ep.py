@@ -248,7 +248,6 @@ def run_group(world: int, dtype: str, a, tmp: Path, hf: str, ours: bool, peer: b
     jobs = ([("ours", dd) for dd in ([False, True] if world > 1 else [False])] if ours else []) + \
         ([("autoep", kf) for kf in (False, True)] if peer else [])
     referee = Referee()
-    steps: dict[str, list[dict]] = {}
     commands, out = [], []
     try:
         for impl, flag in jobs:
@@ -259,17 +258,9 @@ def run_group(world: int, dtype: str, a, tmp: Path, hf: str, ours: bool, peer: b
             env = worker_env(max(1, (os.cpu_count() or 1) // world), ROOT)
             referee.start(name, cmd, env, cwd=ROOT)
             commands.append(shown)
-            steps[name] = []
         referee.wait_ready()
-        for _ in range(a.steps):
-            for name in referee.running():
-                info = referee.step(name)
-                if info is not None:
-                    steps[name].append(info)
-        for name in referee.running():
-            result = referee.finish(name)
-            if result is None:
-                continue
+        steps = referee.take_turns(a.steps)
+        for name, result in referee.finish_all().items():
             timed = steps[name][a.warmup:]
             row = {**result, **medians(timed), "bytes_per_token": float("nan")}
             if result["impl"] == "ours":  # rank 0's dispatch + combine bytes sent per local token

@@ -220,20 +220,16 @@ def run_in_turns(dt: str, runs: list[str], args, tmp: Path) -> dict:
         roof = lambda: measure_matmul_tflops(torch.bfloat16 if dt == "bf16" else torch.float32,
                                              torch.device("cpu"), seconds=2.0)
         best = roof()  # every job asleep
-        steps: dict[str, list[dict]] = {run: [] for run in runs}
-        for i in range(args.steps):
-            for run in referee.running():
-                info = referee.step(run)
-                if info is not None:
-                    steps[run].append(info)
+
+        def show(i: int, steps: dict) -> None:
             shown = ", ".join(f"{run} {steps[run][-1]['step_s']:.3f}" for run in referee.running())
             print(f"{dt} step {i + 1}: {shown}", flush=True)
+
+        steps = referee.take_turns(args.steps, show)
         best = max(best, roof())
         out = {"roofline": best}
-        for run in referee.running():
-            result = referee.finish(run)
-            if result is not None:
-                out[run] = summary(result, steps[run][args.warmup:])
+        for run, result in referee.finish_all().items():
+            out[run] = summary(result, steps[run][args.warmup:])
         for run, err in referee.failures().items():
             out[run] = {"error": err}
         return out

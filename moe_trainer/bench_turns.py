@@ -18,10 +18,8 @@ turn); after END it answers `RESULT <json>` and exits.
     referee.start("ours", [..., "--turns", referee.address("ours")], env)
     referee.start("peer", [...])
     referee.wait_ready()
-    for _ in range(steps):
-        for name in referee.running():
-            referee.step(name)            # one step of that job, the others asleep
-    results = {name: referee.finish(name) for name in referee.running()}
+    reports = referee.take_turns(steps)   # each round: one step of each job, the others asleep
+    results = referee.finish_all()
 
 On a job's side: `turns = Turns(spec)` after its set-up (spec = the `--turns` argument), then
 `turns.wait()` before each step, `turns.report(info)` after it, and `turns.close(result)`;
@@ -37,7 +35,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 
 class JobFailed(RuntimeError):
@@ -151,6 +149,25 @@ class Referee:
         except (JobFailed, OSError, ValueError, subprocess.TimeoutExpired) as e:
             self._fail(job, str(e))
             return None
+
+    def take_turns(self, steps: int, after_round: Optional[Callable[[int, dict], None]] = None
+                   ) -> dict[str, list[dict]]:
+        """`steps` rounds of one step per running job, in start order: {job: its step reports}.
+        after_round(i, reports) runs after round i, every job asleep."""
+        reports: dict[str, list[dict]] = {name: [] for name in self.jobs}
+        for i in range(steps):
+            for name in self.running():
+                info = self.step(name)
+                if info is not None:
+                    reports[name].append(info)
+            if after_round is not None:
+                after_round(i, reports)
+        return reports
+
+    def finish_all(self) -> dict[str, dict]:
+        """Ends every running job: {job: its result}, without the jobs that failed at the end."""
+        results = {name: self.finish(name) for name in self.running()}
+        return {name: r for name, r in results.items() if r is not None}
 
     def close(self) -> None:
         for job in self.jobs.values():

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+# master ports below the ephemeral range: a concurrent job's own connections never take one first
+from moe_trainer.bench_turns import free_port, worker_env  # noqa: F401  (free_port: used by the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -25,9 +27,6 @@ TINY = [
 ]
 
 
-def free_port() -> int:
-    from moe_trainer.bench_turns import free_port as below_ephemeral
-    return below_ephemeral()  # never a port a concurrent job's own connections may take first
 
 
 def spawn_ranks(fn, world: int, *args) -> dict:
@@ -40,11 +39,9 @@ def spawn_ranks(fn, world: int, *args) -> dict:
 
 
 def env() -> dict:
-    e = dict(os.environ)
-    e.setdefault("DS_ACCELERATOR", "cpu")
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    e["OMP_NUM_THREADS"] = "1"
-    return e
+    """A launched job's environment: DeepSpeed's CPU accelerator without a GPU, this checkout on the
+    path, one OpenMP thread per process."""
+    return worker_env(1, ROOT)
 
 
 def launch(n: int, out_dir: Path, overrides: list[str], config: str = "configs/moe_tiny.yaml",

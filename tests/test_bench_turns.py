@@ -101,14 +101,13 @@ def test_a_failed_job_is_reported_and_the_others_go_on(tmp_path):
         _job(tmp_path, referee, "ok", 3)
         _job(tmp_path, referee, "bad", 3, fail_at=1, extra_env={"CHILD_PID_FILE": str(pid_file)})
         referee.wait_ready()
-        for i in range(3):
-            for name in referee.running():
-                referee.step(name)
+        reports = referee.take_turns(3)
+        assert [r["i"] for r in reports["ok"]] == [0, 1, 2] and [r["i"] for r in reports["bad"]] == [0]
         assert referee.running() == ["ok"]
         assert "job failed on purpose at step 1" in referee.failures()["bad"]
         child = int(pid_file.read_text())
         assert not Path(f"/proc/{child}").exists() or " Z " in Path(f"/proc/{child}/stat").read_text()
-        assert referee.finish("ok") == {"name": "ok"}
+        assert referee.finish_all() == {"ok": {"name": "ok"}}
     finally:
         referee.close()
 
