@@ -88,6 +88,24 @@ def _load_serialised(d: Path) -> Any:
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
+def onednn_linear_enabled() -> bool:
+    """Whether fp32 projections on a CPU go through oneDNN's matmul (torch's own
+    mkldnn::_linear_pointwise, registered when torch is built with oneDNN) instead of at::mm,
+    which torch sends to MKL's sgemm for fp32. On this machine's AMD Zen 4 cores oneDNN's
+    AVX-512 kernels ran 10-40% faster on the model's projection and expert shapes, one thread
+    or two (docs/BENCHMARKS_moe.md). bf16 GEMMs already go to oneDNN. MOE_TRAINER_ONEDNN=0
+    turns it off."""
+    if "onednn" not in _CACHE:
+        _CACHE["onednn"] = (os.environ.get("MOE_TRAINER_ONEDNN", "1") != "0" and torch.backends.mkldnn.is_available()
+                            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return _CACHE["onednn"]
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) by oneDNN for a 2-D x; weight (out, in) of any strides."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], None)
+
+
 def ops_for(*tensors: torch.Tensor) -> Optional[Any]:
     """kernels() when the kernels take these tensors (contiguous CPU tensors, all float32 or all
     bfloat16), else None: the caller runs torch ops."""

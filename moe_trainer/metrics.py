@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from . import cpu_kernels
 from .config import ModelConfig
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from vendor datasheets.
@@ -86,7 +87,10 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, shapes=ROOFL
     Each shape gets `trials` short timed trials (after a warm-up) within about
     `seconds` in all; the result is the best trial of the best shape. Best, not
     mean: on a shared machine a busy neighbour only ever makes a trial slower,
-    so the fastest one is the closest to what the hardware sustains.
+    so the fastest one is the closest to what the hardware sustains. On a CPU in
+    fp32 with oneDNN's matmul on (cpu_kernels.onednn_linear_enabled, the GEMMs the
+    model's projections and experts run), both it and torch.matmul (MKL's sgemm)
+    are timed and the faster counts: the roofline is the best GEMM this rank has.
     """
     from deepspeed.accelerator import get_accelerator
 
@@ -94,24 +98,29 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, shapes=ROOFL
         if device.type != "cpu":
             get_accelerator().synchronize()
     best = 0.0
-    budget = seconds / (len(shapes) * trials)
     for m, k, n in shapes:
         a = torch.randn(m, k, device=device).to(dtype)
         b = torch.randn(k, n, device=device).to(dtype)
         out = torch.empty(m, n, device=device, dtype=dtype)
-        torch.matmul(a, b, out=out)
-        sync()
-        t0 = time.perf_counter()
-        torch.matmul(a, b, out=out)
-        sync()
-        reps = max(1, int(budget / max(time.perf_counter() - t0, 1e-6)))
-        for _ in range(trials):
+        gemms = [lambda: torch.matmul(a, b, out=out)]
+        if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.onednn_linear_enabled():
+            w = b.t().contiguous()  # (n, k), as a Linear's weight
+            gemms.append(lambda: cpu_kernels.onednn_linear(a, w))
+        budget = seconds / (len(shapes) * len(gemms) * trials)
+        for gemm in gemms:
+            gemm()
             sync()
-            start = time.perf_counter()
-            for _ in range(reps):
-                torch.matmul(a, b, out=out)
+            t0 = time.perf_counter()
+            gemm()
             sync()
-            best = max(best, 2.0 * m * k * n * reps / (time.perf_counter() - start) / 1e12)
+            reps = max(1, int(budget / max(time.perf_counter() - t0, 1e-6)))
+            for _ in range(trials):
+                sync()
+                start = time.perf_counter()
+                for _ in range(reps):
+                    gemm()
+                sync()
+                best = max(best, 2.0 * m * k * n * reps / (time.perf_counter() - start) / 1e12)
     return best
 
 

@@ -85,11 +85,14 @@ def test_counted_flops_match_the_models_matmuls(monkeypatch):
     multiplied) must be in the hand count, and nothing else. The MTP depth runs
     on T - 1 positions (corrected for here). For MLA the counter also sees the
     attention's batched matmuls and charges them the full T x T square (the torch-op attention
-    path: the fp32 attention kernel's GEMMs run inside C++, where the counter cannot see them)."""
+    path: the fp32 attention kernel's GEMMs run inside C++, where the counter cannot see them, and
+    F.linear: oneDNN's matmul, which the projections use on a CPU in fp32, is no op the counter knows)."""
     from torch.utils.flop_counter import FlopCounterMode
+    from moe_trainer import cpu_kernels
     from moe_trainer.models import layers
     from moe_trainer.models.registry import build_model
     monkeypatch.setattr(layers, "fused_attention_ops", lambda q: None)
+    monkeypatch.setattr(cpu_kernels, "onednn_linear_enabled", lambda: False)  # oneDNN's matmul: uncounted too
     for cfg in (ModelConfig(**{**DSV3.__dict__, "moe_impl": "loop"}), LLAMA):
         model = build_model(cfg, 0).float()
         for name, mod in model.named_modules():  # a hooked shared expert runs as plain F.linear calls

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import gradcheck
 
+from moe_trainer import cpu_kernels
+from moe_trainer.models.layers import Linear
 from moe_trainer.moe import experts as ex
 from moe_trainer.moe.dispatcher import CombineRows, GatherRows, inverse_permutation, route_order
 
@@ -218,13 +220,23 @@ def threaded_ops():
     return ops
 
 
+@pytest.fixture(params=[True, False], ids=["onednn", "sgemm"])
+def onednn(request, monkeypatch):
+    """Both GEMM back ends of the fp32 CPU paths (cpu_kernels.onednn_linear_enabled)."""
+    if request.param:
+        assert cpu_kernels.onednn_linear_enabled(), "torch's oneDNN matmul must be there on this machine"
+    monkeypatch.setattr(cpu_kernels, "onednn_linear_enabled", lambda: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("with_gate", [True, False])
 @pytest.mark.parametrize("counts", [(5, 0, 7, 3, 17, 0, 2), (1, 90, 2, 0, 3)], ids=["spread", "one-hot-expert"])
-def test_threaded_experts_equal_grouped(threads, with_gate, counts, threaded_ops):
+def test_threaded_experts_equal_grouped(threads, with_gate, counts, threaded_ops, onednn):
     """ThreadedCPUExperts' output and every gradient equal GroupedSwiGLUExperts' on the same inputs:
     empty experts (zero weight gradients), and an expert with most of the rows, which runs after the
-    queue on all threads."""
+    queue on all threads. With oneDNN its GEMMs run on rows padded to a multiple of 16: the padding
+    reads the next expert's rows, or zeros past the last row (the last expert here)."""
     x, w1, w2, gate, counts = _expert_inputs(torch.float32, counts=counts, d=16, hid=8)
     gate = gate if with_gate else None
     leaves = [t for t in (x, w1, w2, gate) if t is not None]
@@ -245,7 +257,7 @@ def test_threaded_experts_equal_grouped(threads, with_gate, counts, threaded_ops
     assert torch.equal(results[0][3][empty], torch.zeros_like(w2[empty]))
 
 
-def test_threaded_experts_compute_only_the_gradients_asked_for(threaded_ops):
+def test_threaded_experts_compute_only_the_gradients_asked_for(threaded_ops, onednn):
     """Frozen weights (or an input without grad): those gradients are None, the others still equal
     the reference's."""
     x, w1, w2, gate, counts = _expert_inputs(torch.float32, counts=(4, 6, 0, 3), d=16, hid=8)
@@ -275,3 +287,43 @@ def test_experts_pick_the_threaded_kernel_for_cpu_fp32(monkeypatch, threaded_ops
     g_ref = torch.autograd.grad(y_ref, (x, ref.gate_up_proj, ref.down_proj), dy)
     for a, b in zip(g, g_ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- projections (CPU fp32)
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_on_onednn_equals_f_linear(bias, threads, onednn):
+    """models.layers.Linear in fp32 on a CPU: oneDNN's matmul for the output and the input gradient
+    when it is on (OneDNNLinear), else F.linear; output and every gradient equal F.linear's on a
+    (batch, seq, in) input, including a non-contiguous one."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 40, 7, generator=g).transpose(1, 2).requires_grad_()  # (3, 7, 40), not contiguous
+    lin = Linear(40, 48, bias=bias)
+    dy = torch.randn(3, 7, 48, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = lin(x)
+        got = torch.autograd.grad(y, [x, *lin.parameters()], dy)
+    finally:
+        torch.set_num_threads(before)
+    assert type(y.grad_fn).__name__.startswith("OneDNNLinear") == onednn
+    y_ref = F.linear(x, lin.weight, lin.bias)
+    want = torch.autograd.grad(y_ref, [x, *lin.parameters()], dy)
+    torch.testing.assert_close(y, y_ref, atol=1e-6, rtol=1e-5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_linear_keeps_f_linear_off_the_fp32_cpu_path(onednn):
+    """bf16 (oneDNN already, through torch.mm), a frozen layer's input-only gradient and an empty
+    batch go through F.linear's autograd or give its results."""
+    x = torch.randn(4, 16)
+    y16 = Linear(16, 8, bias=False).to(torch.bfloat16)(x.to(torch.bfloat16))
+    assert y16.grad_fn is not None and "OneDNN" not in type(y16.grad_fn).__name__
+    lin = Linear(16, 8, bias=False).requires_grad_(False)
+    xg = x.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(lin(xg).sum(), xg)
+    torch.testing.assert_close(dx, lin.weight.sum(0).expand(4, 16), atol=1e-6, rtol=1e-5)
+    assert lin(torch.empty(0, 16)).shape == (0, 8)

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..moe.layer import MoE
-from .layers import RMSNorm, SwiGLU, apply_rope, causal_attention, yarn_softmax_scale
+from .layers import Linear, RMSNorm, SwiGLU, apply_rope, causal_attention, yarn_softmax_scale
 from .lm import CausalLM, add_aux, lm_loss
 
 
@@ -34,15 +34,15 @@ class MLA(nn.Module):
         self.qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         self.interleaved = cfg.rope_interleave
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(d, h * self.qk_head_dim, bias=False)
+            self.q_proj = Linear(d, h * self.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_proj = Linear(d, cfg.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)  # eps 1e-6 whatever rms_norm_eps, as DeepSeek/HF
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * self.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)  # eps 1e-6, as DeepSeek/HF
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = Linear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
         self.softmax_scale = yarn_softmax_scale(self.qk_head_dim, cfg.rope_scaling)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -97,7 +97,7 @@ class MTPModule(nn.Module):
         super().__init__()
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.block = DecoderLayer(cfg, layer_id)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

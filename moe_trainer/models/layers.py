@@ -50,14 +50,49 @@ class FusedRMSNorm(torch.autograd.Function):
         return dx, dw.to(weight.dtype), None
 
 
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, state dict and init) whose fp32 GEMMs on a CPU go through
+    oneDNN's matmul (OneDNNLinear) when cpu_kernels.onednn_linear_enabled(); everywhere else
+    (GPUs, bf16, oneDNN off) it is F.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.dtype == torch.float32 and x.device.type == "cpu" and self.weight.dtype == torch.float32
+                and x.numel() and cpu_kernels.onednn_linear_enabled()):
+            return OneDNNLinear.apply(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class OneDNNLinear(torch.autograd.Function):
+    """F.linear by oneDNN in fp32: the output and the input gradient (dY W) by its matmul, the
+    weight gradient (dY^T X, a reduction over the tokens) by torch.mm, which measured as fast or
+    faster there (cpu_kernels.onednn_linear_enabled). Equal to F.linear up to float rounding
+    (tests/test_moe_kernels.py)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        x2 = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x2, weight)
+        ctx.shape, ctx.has_bias = x.shape, bias is not None
+        return cpu_kernels.onednn_linear(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = cpu_kernels.onednn_linear(dy2, weight.t()).view(ctx.shape) if ctx.needs_input_grad[0] else None
+        dw = dy2.t().mm(x2) if ctx.needs_input_grad[1] else None
+        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)): the dense FFN of Llama 3 and DeepSeek-V3."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import RMSNorm, SwiGLU, apply_rope, causal_attention
+from .layers import Linear, RMSNorm, SwiGLU, apply_rope, causal_attention
 from .lm import CausalLM
 
 
@@ -28,10 +28,10 @@ class GQA(nn.Module):
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = cfg.head_dim or d // cfg.num_attention_heads
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=cfg.attention_bias)
+        self.q_proj = Linear(d, self.n_heads * self.head_dim, bias=cfg.attention_bias)
+        self.k_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
+        self.v_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, d, bias=cfg.attention_bias)
         self.attention = gqa_attention  # swappable: context parallelism installs its own
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

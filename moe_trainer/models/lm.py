@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import RMSNorm, RotaryEmbedding
+from .layers import Linear, RMSNorm, RotaryEmbedding
 
 
 @dataclass
@@ -46,7 +46,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         # (logits, labels) -> mean loss; tensor parallelism swaps in a vocabulary-parallel one
         self.loss_fn = lm_loss

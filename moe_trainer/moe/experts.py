@@ -373,10 +373,11 @@ class ThreadedCPUExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, w2, gate, counts, ops):
+        onednn = cpu_kernels.onednn_linear_enabled()
         out, h, a = ops.experts_forward(x.detach(), w1.detach(), w2.detach(),
-                                        gate.detach() if gate is not None else None, counts)
+                                        gate.detach() if gate is not None else None, counts, onednn)
         ctx.save_for_backward(x, w1, w2, gate, h, a)
-        ctx.counts, ctx.ops = counts, ops
+        ctx.counts, ctx.ops, ctx.onednn = counts, ops, onednn
         return out
 
     @staticmethod
@@ -384,7 +385,8 @@ class ThreadedCPUExperts(torch.autograd.Function):
         x, w1, w2, gate, h, a = ctx.saved_tensors
         need_x, need_w1, need_w2, need_gate = ctx.needs_input_grad[:4]
         dx, dw1, dw2, dgate = ctx.ops.experts_backward(dy.contiguous(), x, w1, w2, gate, h, a, ctx.counts, need_x,
-                                                       need_w1 or need_w2, need_gate and gate is not None)
+                                                       need_w1 or need_w2, need_gate and gate is not None,
+                                                       ctx.onednn)
         return dx, dw1 if need_w1 else None, dw2 if need_w2 else None, dgate, None, None
 
 
