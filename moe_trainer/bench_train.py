@@ -266,7 +266,7 @@ def write_md(args, raw, roof, fpt, results, elapsed):
          "optimizer step, micro-batch 4: 4 accumulated micro-batches on 1 rank, 2 per rank on 2 ranks). "
          f"Model FLOPs {fpt / 1e6:.1f} MFLOP per trained token (metrics.train_flops_per_token: "
          f"activated experts only, causal attention, 3x forward).", "",
-         "Roofline: best plain torch.matmul TFLOP/s on the model's projection shapes, all cores "
+         "Roofline: best plain matmul TFLOP/s on the model's projection shapes, all cores, fp32 the faster of torch.matmul (MKL sgemm) and oneDNN's matmul, which our fp32 projections use "
          "(metrics.measure_matmul_tflops; the best of 2 measurements, before and after each dtype's steps): "
          + ", ".join(f"{k} {v:.3f}" for k, v in roof.items()) + ".", "",
          f"transformers: experts_implementation={args.hf_experts}, attn_implementation=sdpa, weights from our "
