@@ -101,6 +101,18 @@ def onednn_linear_enabled() -> bool:
     return _CACHE["onednn"]
 
 
+# Below this many multiply-adds (rows x in x out) an fp32 GEMM stays on sgemm: oneDNN's call costs
+# ~10-20 us more (it builds an operation descriptor every call), which a GEMM this small does not
+# win back (1 thread: 16 x 256 x 256 took 30 us on sgemm, 51 us on oneDNN; 128 x 256 x 256 about
+# even; 512 x 256 x 256 and up ~10% faster on oneDNN).
+ONEDNN_MIN_MACS = 1 << 24
+
+
+def onednn_min_macs() -> int:
+    """The GEMM size from which the fp32 kernels use oneDNN (ONEDNN_MIN_MACS), or -1 when it is off."""
+    return ONEDNN_MIN_MACS if onednn_linear_enabled() else -1
+
+
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x @ weight.T (+ bias) by oneDNN for a 2-D x; weight (out, in) of any strides."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], None)

@@ -222,9 +222,11 @@ def threaded_ops():
 
 @pytest.fixture(params=[True, False], ids=["onednn", "sgemm"])
 def onednn(request, monkeypatch):
-    """Both GEMM back ends of the fp32 CPU paths (cpu_kernels.onednn_linear_enabled)."""
+    """Both GEMM back ends of the fp32 CPU paths (cpu_kernels.onednn_linear_enabled), oneDNN for
+    every GEMM size (these tests' GEMMs are far below ONEDNN_MIN_MACS)."""
     if request.param:
         assert cpu_kernels.onednn_linear_enabled(), "torch's oneDNN matmul must be there on this machine"
+        monkeypatch.setattr(cpu_kernels, "ONEDNN_MIN_MACS", 0)
     monkeypatch.setattr(cpu_kernels, "onednn_linear_enabled", lambda: request.param)
     return request.param
 
@@ -327,3 +329,15 @@ def test_linear_keeps_f_linear_off_the_fp32_cpu_path(onednn):
     (dx,) = torch.autograd.grad(lin(xg).sum(), xg)
     torch.testing.assert_close(dx, lin.weight.sum(0).expand(4, 16), atol=1e-6, rtol=1e-5)
     assert lin(torch.empty(0, 16)).shape == (0, 8)
+
+
+def test_small_gemms_stay_on_sgemm():
+    """Below ONEDNN_MIN_MACS multiply-adds Linear is plain F.linear (oneDNN's per-call cost is more
+    than it saves there); from it on, OneDNNLinear."""
+    assert cpu_kernels.onednn_linear_enabled()
+    d = 256
+    lin = Linear(d, d, bias=False)
+    rows = cpu_kernels.ONEDNN_MIN_MACS // (d * d)
+    small, large = lin(torch.randn(rows - 1, d, requires_grad=True)), lin(torch.randn(rows, d, requires_grad=True))
+    assert "OneDNN" not in type(small.grad_fn).__name__
+    assert type(large.grad_fn).__name__.startswith("OneDNNLinear")

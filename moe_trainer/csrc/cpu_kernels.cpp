@@ -40,11 +40,11 @@
 // queue, on all threads, as torch would run it.
 //   forward:  h_e = x_e W1_e^T,  a_e = silu(g) * u * gate,  out_e = a_e W2_e^T       (h, a saved)
 //   backward: dW2_e = dy_e^T a_e,  da = dy_e W2_e,  dh = SwiGLU'(da),  dW1_e = dh^T x_e,  dx_e = dh W1_e
-// With `onednn`, the GEMMs whose reduction runs over the hidden sizes (h_e, out_e, da, dx_e) go
-// through oneDNN's matmul (torch's mkldnn::_linear_pointwise, the op models/linear.py uses for the
-// dense projections) instead of MKL's sgemm: on this machine its fp32 kernels ran 10-40% faster
-// at these shapes. The weight gradients, reductions over an expert's rows, stay on sgemm, which
-// was as fast or faster there.
+// With `onednn_min` >= 0, the GEMMs whose reduction runs over the hidden sizes (h_e, out_e, da,
+// dx_e) and that have at least onednn_min multiply-adds go through oneDNN's matmul (torch's
+// mkldnn::_linear_pointwise, the op of models/layers.py's Linear) instead of MKL's sgemm: on this
+// machine its fp32 kernels ran 10-40% faster at those shapes. The weight gradients, reductions over
+// an expert's rows, stay on sgemm, which was as fast or faster there.
 //
 // Routing bookkeeping, for the router and the dispatchers (moe/router.py, moe/dispatcher.py,
 // parallel/expert.py): a row-wise top-k of the (N, E) selection scores (E is tens to hundreds, k a
@@ -328,13 +328,20 @@ constexpr int64_t kOneDNNRows = 16;
 
 inline int64_t onednn_rows(int64_t n) { return (n + kOneDNNRows - 1) / kOneDNNRows * kOneDNNRows; }
 
-// out (n rows) = x[r0 : r0 + n] w^T, by oneDNN (`onednn`, when torch has it) on onednn_rows(n)
-// rows of x, or by sgemm (at::mm_out). The padding rows are x's next rows, which must not be
-// written meanwhile, or zeros past x's end.
+// Whether a GEMM of n rows by a (nout, k) weight goes to oneDNN: `onednn_min` >= 0 (off below 0),
+// torch has the op, and the padded GEMM has at least onednn_min multiply-adds. oneDNN's call costs
+// ~10-20 us more than sgemm's (it builds an operation descriptor every call), more than it saves on
+// a GEMM of a few M multiply-adds (cpu_kernels.ONEDNN_MIN_MACS).
+inline bool onednn_for(int64_t n, int64_t k, int64_t nout, int64_t onednn_min) {
+  return onednn_min >= 0 && onednn_linear_op() != nullptr && onednn_rows(n) * k * nout >= onednn_min;
+}
+
+// out (n rows) = x[r0 : r0 + n] w^T, by oneDNN (onednn_for) on onednn_rows(n) rows of x, or by
+// sgemm (at::mm_out). The padding rows are x's next rows, which must not be written meanwhile, or
+// zeros past x's end.
 void linear_rows(torch::Tensor out, const torch::Tensor& x, int64_t r0, int64_t n, const torch::Tensor& w,
-                 bool onednn) {
-  const auto* op = onednn ? onednn_linear_op() : nullptr;
-  if (op == nullptr) {
+                 int64_t onednn_min) {
+  if (!onednn_for(n, w.size(1), w.size(0), onednn_min)) {
     at::mm_out(out, x.narrow(0, r0, n), w.t());
     return;
   }
@@ -346,7 +353,9 @@ void linear_rows(torch::Tensor out, const torch::Tensor& x, int64_t r0, int64_t 
     in = torch::zeros({np, x.size(1)}, x.options());
     in.narrow(0, 0, n).copy_(x.narrow(0, r0, n));
   }
-  out.copy_(op->call(in, w, std::nullopt, "none", c10::List<std::optional<c10::Scalar>>(), std::nullopt).narrow(0, 0, n));
+  out.copy_(onednn_linear_op()
+                ->call(in, w, std::nullopt, "none", c10::List<std::optional<c10::Scalar>>(), std::nullopt)
+                .narrow(0, 0, n));
 }
 
 // Experts in the order the threads take them: the queue (largest first) and the hot ones.
@@ -409,7 +418,7 @@ void check_experts(const torch::Tensor& x, const torch::Tensor& w1, const torch:
 // -> (out (M, d), h (M, 2H), a (M, H))
 std::vector<torch::Tensor> experts_forward(torch::Tensor x, torch::Tensor w1, torch::Tensor w2,
                                            c10::optional<torch::Tensor> gate, std::vector<int64_t> counts,
-                                           bool onednn) {
+                                           int64_t onednn_min) {
   check_experts(x, w1, w2, gate, counts);
   const int64_t m = x.size(0), d = x.size(1), hid = w2.size(2);
   auto out = torch::empty({m, d}, x.options());
@@ -419,22 +428,22 @@ std::vector<torch::Tensor> experts_forward(torch::Tensor x, torch::Tensor w1, to
   const int64_t threads = at::get_num_threads();
   const ExpertTasks t = expert_tasks(counts, threads);
   // per-thread SwiGLU output of one expert, padded for oneDNN (other threads write a's next rows)
-  std::vector<torch::Tensor> a_s(onednn ? threads : 0);
+  std::vector<torch::Tensor> a_s(onednn_min >= 0 ? threads : 0);
   for (size_t i = 0; i < a_s.size(); ++i)
     a_s[i] = torch::empty({onednn_rows(i == 0 ? std::max(t.max_queue_rows, t.max_hot_rows) : t.max_queue_rows), hid},
                           x.options());
   run_expert_tasks(t, [&](int64_t e, int slot) {
     const int64_t r0 = t.start[e], n = counts[e];
     auto he = h.narrow(0, r0, n), ae = a.narrow(0, r0, n), oe = out.narrow(0, r0, n);
-    linear_rows(he, x, r0, n, w1[e], onednn);
+    linear_rows(he, x, r0, n, w1[e], onednn_min);
     const float* hp = he.data_ptr<float>();
-    if (onednn) {
+    if (onednn_for(n, hid, d, onednn_min)) {
       forward_rows(hp, hp + hid, 2 * hid, gp ? gp + r0 : nullptr, a_s[slot].data_ptr<float>(), n, hid);
       ae.copy_(a_s[slot].narrow(0, 0, n));
-      linear_rows(oe, a_s[slot], 0, n, w2[e], onednn);
+      linear_rows(oe, a_s[slot], 0, n, w2[e], onednn_min);
     } else {
       forward_rows(hp, hp + hid, 2 * hid, gp ? gp + r0 : nullptr, ae.data_ptr<float>(), n, hid);
-      linear_rows(oe, a, r0, n, w2[e], onednn);
+      linear_rows(oe, a, r0, n, w2[e], onednn_min);
     }
   });
   return {out, h, a};
@@ -445,7 +454,7 @@ std::vector<torch::Tensor> experts_forward(torch::Tensor x, torch::Tensor w1, to
 std::vector<torch::Tensor> experts_backward(torch::Tensor dy, torch::Tensor x, torch::Tensor w1, torch::Tensor w2,
                                             c10::optional<torch::Tensor> gate, torch::Tensor h, torch::Tensor a,
                                             std::vector<int64_t> counts, bool need_x, bool need_w,
-                                            bool need_gate, bool onednn) {
+                                            bool need_gate, int64_t onednn_min) {
   check_experts(x, w1, w2, gate, counts);
   const int64_t m = x.size(0), hid = w2.size(2);
   TORCH_CHECK(dy.sizes() == x.sizes() && dy.is_contiguous() && dy.scalar_type() == torch::kFloat &&
@@ -483,7 +492,7 @@ std::vector<torch::Tensor> experts_backward(torch::Tensor dy, torch::Tensor x, t
       auto g2 = dw2[e];
       at::mm_out(g2, dye.t(), a.narrow(0, r0, n));
     }
-    linear_rows(da, dy, r0, n, w2[e].t(), onednn);
+    linear_rows(da, dy, r0, n, w2[e].t(), onednn_min);
     float* dhp = dh.data_ptr<float>();
     const float* hp = he.data_ptr<float>();
     backward_rows(da.data_ptr<float>(), hp, hp + hid, 2 * hid, gp ? gp + r0 : nullptr, dhp, dhp + hid,
@@ -494,7 +503,7 @@ std::vector<torch::Tensor> experts_backward(torch::Tensor dy, torch::Tensor x, t
     }
     if (need_x) {
       auto dxe = dx.narrow(0, r0, n);
-      linear_rows(dxe, dh_s[slot], 0, n, w1[e].t(), onednn);
+      linear_rows(dxe, dh_s[slot], 0, n, w1[e].t(), onednn_min);
     }
   });
   return {dx, dw1, dw2, dgate};

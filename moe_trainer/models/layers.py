@@ -52,13 +52,15 @@ class FusedRMSNorm(torch.autograd.Function):
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters, state dict and init) whose fp32 GEMMs on a CPU go through
-    oneDNN's matmul (OneDNNLinear) when cpu_kernels.onednn_linear_enabled(); everywhere else
-    (GPUs, bf16, oneDNN off) it is F.linear."""
+    oneDNN's matmul (OneDNNLinear) when cpu_kernels.onednn_linear_enabled() and the GEMM has at
+    least cpu_kernels.ONEDNN_MIN_MACS multiply-adds; everywhere else (GPUs, bf16, small GEMMs,
+    oneDNN off) it is F.linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype == torch.float32 and x.device.type == "cpu" and self.weight.dtype == torch.float32
-                and x.numel() and cpu_kernels.onednn_linear_enabled()):
-            return OneDNNLinear.apply(x, self.weight, self.bias)
+        if x.dtype == torch.float32 and x.device.type == "cpu" and self.weight.dtype == torch.float32 and x.numel():
+            min_macs = cpu_kernels.onednn_min_macs()
+            if 0 <= min_macs <= x.numel() * self.out_features:
+                return OneDNNLinear.apply(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

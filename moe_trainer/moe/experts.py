@@ -373,7 +373,7 @@ class ThreadedCPUExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, w2, gate, counts, ops):
-        onednn = cpu_kernels.onednn_linear_enabled()
+        onednn = cpu_kernels.onednn_min_macs()
         out, h, a = ops.experts_forward(x.detach(), w1.detach(), w2.detach(),
                                         gate.detach() if gate is not None else None, counts, onednn)
         ctx.save_for_backward(x, w1, w2, gate, h, a)
