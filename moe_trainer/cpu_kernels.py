@@ -93,8 +93,8 @@ def onednn_linear_enabled() -> bool:
     mkldnn::_linear_pointwise, registered when torch is built with oneDNN) instead of at::mm,
     which torch sends to MKL's sgemm for fp32. On this machine's AMD Zen 4 cores oneDNN's
     AVX-512 kernels ran 10-40% faster on the model's projection and expert shapes, one thread
-    or two (docs/BENCHMARKS_moe.md). bf16 GEMMs already go to oneDNN. MOE_TRAINER_ONEDNN=0
-    turns it off."""
+    or two (docs/BENCHMARKS_train.md's notes). bf16 GEMMs already go to oneDNN.
+    MOE_TRAINER_ONEDNN=0 turns it off."""
     if "onednn" not in _CACHE:
         _CACHE["onednn"] = (os.environ.get("MOE_TRAINER_ONEDNN", "1") != "0" and torch.backends.mkldnn.is_available()
                             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))

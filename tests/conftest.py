@@ -27,8 +27,6 @@ TINY = [
 ]
 
 
-
-
 def spawn_ranks(fn, world: int, *args) -> dict:
     """Run fn(rank, world, port, *args, results) on `world` spawned processes;
     returns what the ranks stored in `results` (a shared dict keyed by rank)."""

@@ -316,8 +316,6 @@ const c10::TypedOperatorHandle<LinearPointwise>* onednn_linear_op() {
   return op.has_value() ? &*op : nullptr;
 }
 
-bool has_onednn_linear() { return onednn_linear_op() != nullptr; }
-
 // oneDNN builds (JIT-compiles) a kernel per GEMM shape, and an expert's row count changes every
 // step: on exact row counts the compiles cost more than oneDNN's faster kernels save (routed
 // experts at moe_bench shapes: 113 ms forward with fresh counts per call against 75 ms on MKL).
@@ -437,14 +435,14 @@ std::vector<torch::Tensor> experts_forward(torch::Tensor x, torch::Tensor w1, to
     auto he = h.narrow(0, r0, n), ae = a.narrow(0, r0, n), oe = out.narrow(0, r0, n);
     linear_rows(he, x, r0, n, w1[e], onednn_min);
     const float* hp = he.data_ptr<float>();
-    if (onednn_for(n, hid, d, onednn_min)) {
-      forward_rows(hp, hp + hid, 2 * hid, gp ? gp + r0 : nullptr, a_s[slot].data_ptr<float>(), n, hid);
-      ae.copy_(a_s[slot].narrow(0, 0, n));
-      linear_rows(oe, a_s[slot], 0, n, w2[e], onednn_min);
-    } else {
-      forward_rows(hp, hp + hid, 2 * hid, gp ? gp + r0 : nullptr, ae.data_ptr<float>(), n, hid);
-      linear_rows(oe, a, r0, n, w2[e], onednn_min);
-    }
+    // the down GEMM on oneDNN reads padding rows past the expert's: from this thread's scratch, not
+    // from a, whose next rows another thread may be writing
+    const bool scratch = onednn_for(n, hid, d, onednn_min);
+    const torch::Tensor& src = scratch ? a_s[slot] : a;
+    const int64_t s0 = scratch ? 0 : r0;
+    forward_rows(hp, hp + hid, 2 * hid, gp ? gp + r0 : nullptr, src.data_ptr<float>() + s0 * hid, n, hid);
+    if (scratch) ae.copy_(src.narrow(0, 0, n));
+    linear_rows(oe, src, s0, n, w2[e], onednn_min);
   });
   return {out, h, a};
 }
@@ -1105,7 +1103,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_backward", &silu_mul_backward, "(dg, du) of silu_mul_forward");
   m.def("experts_forward", &experts_forward, "fp32 routed experts, one task per expert: (out, h, a)");
   m.def("experts_backward", &experts_backward, "(dx, dw1, dw2, dgate) of experts_forward");
-  m.def("has_onednn_linear", &has_onednn_linear, "whether torch registers oneDNN's mkldnn::_linear_pointwise");
   m.def("has_blas", &has_blas, "whether the attention kernels found a BLAS sgemm");
   m.def("causal_attention_forward", &causal_attention_forward, "fp32 causal attention: (out, probabilities)");
   m.def("causal_attention_backward", &causal_attention_backward, "(dq, dk, dv) of causal_attention_forward");

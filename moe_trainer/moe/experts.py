@@ -373,11 +373,11 @@ class ThreadedCPUExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, w2, gate, counts, ops):
-        onednn = cpu_kernels.onednn_min_macs()
+        onednn_min = cpu_kernels.onednn_min_macs()
         out, h, a = ops.experts_forward(x.detach(), w1.detach(), w2.detach(),
-                                        gate.detach() if gate is not None else None, counts, onednn)
+                                        gate.detach() if gate is not None else None, counts, onednn_min)
         ctx.save_for_backward(x, w1, w2, gate, h, a)
-        ctx.counts, ctx.ops, ctx.onednn = counts, ops, onednn
+        ctx.counts, ctx.ops, ctx.onednn_min = counts, ops, onednn_min
         return out
 
     @staticmethod
@@ -386,7 +386,7 @@ class ThreadedCPUExperts(torch.autograd.Function):
         need_x, need_w1, need_w2, need_gate = ctx.needs_input_grad[:4]
         dx, dw1, dw2, dgate = ctx.ops.experts_backward(dy.contiguous(), x, w1, w2, gate, h, a, ctx.counts, need_x,
                                                        need_w1 or need_w2, need_gate and gate is not None,
-                                                       ctx.onednn)
+                                                       ctx.onednn_min)
         return dx, dw1 if need_w1 else None, dw2 if need_w2 else None, dgate, None, None
 
 
