@@ -83,7 +83,10 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <dlfcn.h>
+#include <climits>
+#include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 namespace {
@@ -884,6 +887,16 @@ struct RingHeader {
   RingCounter tail;  // bytes consumed by the consumer
 };
 
+// At the start of each rank's file: rung by a peer after it wrote to this rank's ring or drained
+// one of this rank's rings, so a waiting rank can sleep in the kernel (futex) instead of spinning
+// on a core that a descheduled peer needs.
+struct alignas(64) Doorbell {
+  std::atomic<uint32_t> seq;       // bumped on every ring
+  std::atomic<uint32_t> sleepers;  // > 0 while the owner sleeps (or is about to) on seq
+  char pad[64 - 2 * sizeof(std::atomic<uint32_t>)];
+};
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex words are plain 32-bit integers");
+
 struct ShmChannel {
   int64_t rank = 0, world = 0, capacity = 0;
   std::string prefix;
@@ -893,8 +906,9 @@ struct ShmChannel {
   bool unlinked = false;
 
   size_t ring_bytes() const { return sizeof(RingHeader) + static_cast<size_t>(capacity); }
+  Doorbell* bell(int64_t r) { return reinterpret_cast<Doorbell*>(maps[r]); }
   RingHeader* ring(int64_t producer, int64_t consumer) {
-    return reinterpret_cast<RingHeader*>(maps[producer] + consumer * ring_bytes());
+    return reinterpret_cast<RingHeader*>(maps[producer] + sizeof(Doorbell) + consumer * ring_bytes());
   }
   char* data(int64_t producer, int64_t consumer) {
     return reinterpret_cast<char*>(ring(producer, consumer)) + sizeof(RingHeader);
@@ -941,7 +955,7 @@ int64_t shm_channel_create(const std::string& prefix, int64_t rank, int64_t worl
   ch->world = world;
   ch->capacity = (capacity + 63) / 64 * 64;
   ch->prefix = prefix;
-  ch->file_bytes = ch->ring_bytes() * static_cast<size_t>(world);
+  ch->file_bytes = sizeof(Doorbell) + ch->ring_bytes() * static_cast<size_t>(world);
   ch->maps.assign(world, nullptr);
   ch->maps[rank] = map_file(ch->path(rank), ch->file_bytes, true);  // zero-filled: every count starts at 0
   if (!ch->maps[rank]) return -1;
@@ -1004,10 +1018,24 @@ inline void cpu_relax() {
 #endif
 }
 
+// futex on a word of a MAP_SHARED file: shared between processes, so not FUTEX_PRIVATE
+void futex_sleep(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ns) {
+  timespec ts{static_cast<time_t>(timeout_ns / 1000000000), static_cast<long>(timeout_ns % 1000000000)};
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void ring_bell(Doorbell* d) {
+  d->seq.fetch_add(1, std::memory_order_seq_cst);
+  if (d->sleepers.load(std::memory_order_seq_cst) > 0)
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&d->seq), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
 // all_to_all_single over bytes: send holds the chunks for ranks 0..world-1 back to back
 // (send_bytes[j] each), recv receives recv_bytes[j] from each rank j in rank order.
+// A rank with nothing to do spins for spin_s, then sleeps on its doorbell until a peer rings it:
+// where ranks outnumber cores, a spinning rank takes the core that the peer it waits for needs.
 void shm_all_to_all(int64_t handle, torch::Tensor send, std::vector<int64_t> send_bytes, torch::Tensor recv,
-                    std::vector<int64_t> recv_bytes, double timeout_s) {
+                    std::vector<int64_t> recv_bytes, double timeout_s, double spin_s) {
   ShmChannel& ch = shm_channel(handle);
   const int64_t W = ch.world, me = ch.rank, cap = ch.capacity;
   TORCH_CHECK(static_cast<int64_t>(send_bytes.size()) == W && static_cast<int64_t>(recv_bytes.size()) == W,
@@ -1027,13 +1055,18 @@ void shm_all_to_all(int64_t handle, torch::Tensor send, std::vector<int64_t> sen
   pybind11::gil_scoped_release no_gil;
   if (send_bytes[me]) std::memcpy(dst + recv_off[me], src + send_off[me], send_bytes[me]);
   std::vector<int64_t> sent(W, 0), got(W, 0);
+  std::vector<char> woke(W, 0);  // peers whose rings changed in this pass: ring their bells after it
   sent[me] = send_bytes[me];
   got[me] = recv_bytes[me];
   int64_t pending = 0;
   for (int64_t j = 0; j < W; ++j) pending += (sent[j] < send_bytes[j]) + (got[j] < recv_bytes[j]);
+  Doorbell* mine = ch.bell(me);
   auto last_progress = std::chrono::steady_clock::now();
   int64_t idle = 0;
   while (pending > 0) {
+    // read before the pass: a peer that changes a ring after this load also bumps seq, so the sleep
+    // below returns at once instead of missing it
+    const uint32_t seq = mine->seq.load(std::memory_order_seq_cst);
     bool progress = false;
     for (int64_t j = 0; j < W; ++j) {
       if (sent[j] < send_bytes[j]) {  // my ring to j: write what fits
@@ -1049,6 +1082,7 @@ void shm_all_to_all(int64_t handle, torch::Tensor send, std::vector<int64_t> sen
           sent[j] += n;
           pending -= sent[j] == send_bytes[j];
           progress = true;
+          woke[j] = 1;
         }
       }
       if (got[j] < recv_bytes[j]) {  // j's ring to me: take what arrived
@@ -1063,34 +1097,45 @@ void shm_all_to_all(int64_t handle, torch::Tensor send, std::vector<int64_t> sen
           got[j] += n;
           pending -= got[j] == recv_bytes[j];
           progress = true;
+          woke[j] = 1;  // j may be waiting for room
         }
       }
     }
     if (progress) {
+      for (int64_t j = 0; j < W; ++j)
+        if (woke[j]) {
+          ring_bell(ch.bell(j));
+          woke[j] = 0;
+        }
       idle = 0;
       last_progress = std::chrono::steady_clock::now();
       continue;
     }
-    // waiting for a peer: spin briefly, then give the core away (ranks may outnumber cores)
-    if (++idle < 256) {
+    // waiting for a peer: spin for spin_s (a peer running on another core is about to arrive),
+    // then sleep until a peer rings or 2 ms pass (to check the timeout and for dead peers)
+    if (++idle < 64) {
       cpu_relax();
       continue;
     }
-    std::this_thread::yield();
-    if ((idle & 1023) == 0) {
-      double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - last_progress).count();
-      if (waited > timeout_s)
-        throw std::runtime_error("shm all-to-all: rank " + std::to_string(me) + " waited " +
-                                 std::to_string(static_cast<int64_t>(waited)) +
-                                 " s for a peer that neither sent nor received (did a rank fail or skip a collective?)");
-      if (waited > 0.01) {
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-        for (int64_t j = 0; j < static_cast<int64_t>(ch.pids.size()); ++j)  // a dead peer ends the wait now
-          if ((sent[j] < send_bytes[j] || got[j] < recv_bytes[j]) && process_gone(ch.pids[j]))
-            throw std::runtime_error("shm all-to-all: rank " + std::to_string(j) + " (pid " +
-                                     std::to_string(ch.pids[j]) + ") has exited");
-      }
+    const auto now = std::chrono::steady_clock::now();
+    const double waited = std::chrono::duration<double>(now - last_progress).count();
+    if (waited < spin_s) {
+      if ((idle & 255) == 0) std::this_thread::yield();
+      else cpu_relax();
+      continue;
     }
+    if (waited > timeout_s)
+      throw std::runtime_error("shm all-to-all: rank " + std::to_string(me) + " waited " +
+                               std::to_string(static_cast<int64_t>(waited)) +
+                               " s for a peer that neither sent nor received (did a rank fail or skip a collective?)");
+    if (waited > 0.01)
+      for (int64_t j = 0; j < static_cast<int64_t>(ch.pids.size()); ++j)  // a dead peer ends the wait now
+        if ((sent[j] < send_bytes[j] || got[j] < recv_bytes[j]) && process_gone(ch.pids[j]))
+          throw std::runtime_error("shm all-to-all: rank " + std::to_string(j) + " (pid " +
+                                   std::to_string(ch.pids[j]) + ") has exited");
+    mine->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    futex_sleep(&mine->seq, seq, waited > 0.01 ? 10000000 : 2000000);
+    mine->sleepers.fetch_sub(1, std::memory_order_seq_cst);
   }
 }
 
@@ -1117,5 +1162,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shm_channel_set_pids", &shm_channel_set_pids, "each rank's pid, checked while waiting");
   m.def("shm_channel_unlink", &shm_channel_unlink, "remove this rank's file name");
   m.def("shm_channel_close", &shm_channel_close, "unmap and forget a channel");
-  m.def("shm_all_to_all", &shm_all_to_all, "all_to_all_single over bytes through the rings");
+  m.def("shm_all_to_all", &shm_all_to_all, "all_to_all_single over bytes through the rings (spin, then sleep)");
 }

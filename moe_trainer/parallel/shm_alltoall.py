@@ -5,7 +5,10 @@ single-threaded ranks each exchange costs ~1-2 ms however small (the counts exch
 an MoE layer makes five per micro-batch. Here each rank owns a file in /dev/shm with one byte ring
 per destination (csrc/cpu_kernels.cpp: `shm_all_to_all`): a rank streams its chunk for rank j into
 ring j and drains its ring in every peer's file, so an exchange costs two memcpys and the wait for
-the slowest peer, and chunks larger than a ring stream through it.
+the slowest peer, and chunks larger than a ring stream through it. A rank that has to wait spins
+briefly, then sleeps on a futex in its file that a peer rings after changing one of its rings:
+with more ranks than cores (4 ranks on 2 here) a spinning rank would hold the core the peer it
+waits for needs.
 
 The same rings carry the trainer's small per-step all-reduces (losses, expert counts, the noise
 scale's norms), which on gloo cost as much as an all-to-all each.
@@ -36,12 +39,31 @@ RING_BYTES = 4 << 20
 SMALL_RING_BYTES = 64 << 10
 
 
+# How long a rank with nothing to send or take spins before it sleeps until a peer rings its doorbell
+# (a futex in its file). With a core per rank, spinning answers a peer a few microseconds sooner
+# than a wake-up would; with more ranks than cores, the spinning rank holds a core that the peer it
+# waits for needs, so it sleeps almost at once. MOE_TRAINER_SHM_SPIN_US overrides both.
+SPIN_S_OWN_CORE = 5e-3
+SPIN_S_SHARED_CORE = 20e-6
+
+
+def spin_seconds(group_world: int) -> float:
+    """The spin budget of a rank on this host: short when the host's ranks (LOCAL_SIZE, set by
+    the launchers) times this rank's threads outnumber the cores this process may run on."""
+    if "MOE_TRAINER_SHM_SPIN_US" in os.environ:
+        return float(os.environ["MOE_TRAINER_SHM_SPIN_US"]) * 1e-6
+    ranks = max(group_world, int(os.environ.get("LOCAL_SIZE", "0") or 0))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return SPIN_S_SHARED_CORE if ranks * torch.get_num_threads() > cores else SPIN_S_OWN_CORE
+
+
 class ShmAllToAll:
     """The shared-memory rings of one process group (every rank of it on this host)."""
 
     def __init__(self, ops, handle: int, group, timeout_s: float):
         self.ops, self.handle, self.timeout_s = ops, handle, timeout_s
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.spin_s = spin_seconds(self.world)
 
     @classmethod
     def create(cls, group, ring_bytes: int = RING_BYTES, timeout_s: float = 300.0) -> Optional["ShmAllToAll"]:
@@ -82,7 +104,7 @@ class ShmAllToAll:
             in_splits = [x.shape[0] // self.world] * self.world
         row = x.element_size() * math.prod(x.shape[1:])
         self.ops.shm_all_to_all(self.handle, _bytes(x), [n * row for n in in_splits], _bytes(out),
-                                [n * row for n in out_splits], self.timeout_s)
+                                [n * row for n in out_splits], self.timeout_s, self.spin_s)
 
     def all_reduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce ("sum" or "max") of a small CPU tensor: every rank gathers every
