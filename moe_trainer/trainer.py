@@ -27,11 +27,12 @@ from .metrics import MetricSink, peak_memory_gb, peak_tflops, train_flops_per_to
 from .models.registry import build_model, moe_layers
 from .moe import balance
 from .noise_scale import MicroGradNorms, NoiseScale, ReducedGradNorm
-from .parallel.comm import CommCounter, all_reduce_small, enable_shm_transport
+from .parallel.comm import (CommCounter, all_reduce_small, enable_shm_transport, has_shm_transport,
+                            route_deepspeed_collectives)
 from .parallel.context import shard_sequence
 from .parallel.mesh import DeepSpeedMPU, Mesh
 from .parallel.pipeline import PipelineExecutor, Trace, build_stage
-from .parallel.shm_alltoall import SMALL_RING_BYTES
+from .parallel.shm_alltoall import RING_BYTES, SMALL_RING_BYTES
 from .parallel.parallelize import parallelize
 from .parallel.zero import build_engine, set_lr
 
@@ -100,13 +101,13 @@ class Trainer:
         self.comm = CommCounter()
         self.model = parallelize(model, cfg, mesh, self.comm)
         if cfg.parallel.cpu_alltoall == "shm" and dist.is_initialized() and self.layout.world > 1:
-            # the per-step loss, expert-count and noise-scale all-reduces, and the stop flag's
-            for group in ([mesh.group("dpcp")] if mesh.group("dpcp") is not None else []) + [None]:
-                enable_shm_transport(group, ring_bytes=SMALL_RING_BYTES, timeout_s=cfg.parallel.timeout_s)
+            self._enable_shm_collectives()
         self.pipelined = self.layout.pp > 1
         if self.pipelined:
             self.model = build_stage(self.model, cfg, mesh.coord["pp"], t.seq_len)
         self.engine = build_engine(self.model, cfg, self.layout, mpu=DeepSpeedMPU(mesh))
+        if cfg.parallel.cpu_alltoall == "shm" and dist.is_initialized() and self.layout.world > 1:
+            route_deepspeed_collectives()
         self.executor = self._build_executor() if self.pipelined else None
         # the critical batch size: per-micro-batch gradient norms vs the reduced one
         # (one micro-batch per optimizer step has nothing to compare: no hooks then)
@@ -132,6 +133,21 @@ class Trainer:
         self._nan_skips = 0
 
     # ------------------------------------------------------------------ setup
+    def _enable_shm_collectives(self) -> None:
+        """Shared-memory transports for the groups whose collectives are not the EP all-to-alls:
+        DeepSpeed's ZeRO reductions and gathers over the data-parallel and expert-data-parallel
+        groups (large rings: megabytes of gradients), its norm all-reduce over the model-parallel
+        group and our per-step loss, expert-count and noise-scale all-reduces and stop flag (small
+        rings). Collective, in the same order on every rank; a group any of whose ranks cannot use
+        shared memory stays on gloo. Once the engine exists, route_deepspeed_collectives() sends
+        deepspeed.comm's calls on these groups there."""
+        t = self.cfg.parallel.timeout_s
+        for kind, ring in (("dpcp", RING_BYTES), ("edp", RING_BYTES), ("mp", SMALL_RING_BYTES)):
+            group = self.mesh.group(kind)
+            if group is not None and not has_shm_transport(group):
+                enable_shm_transport(group, ring_bytes=ring, timeout_s=t)
+        enable_shm_transport(None, ring_bytes=SMALL_RING_BYTES, timeout_s=t)
+
     def prepare_run_dir(self) -> None:
         if self.is_logger:
             self.out_dir.mkdir(parents=True, exist_ok=True)

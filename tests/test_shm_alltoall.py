@@ -99,28 +99,123 @@ def test_ranks_on_different_hosts_all_stay_on_gloo():
 
 
 
-def _all_reduce_worker(rank, world, port, results):
+def _same_on_every_rank(t: torch.Tensor) -> bool:
+    copies = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(copies, t)
+    return all(torch.equal(c, t) for c in copies)
+
+
+def _collectives_worker(rank, world, port, results):
     _init(rank, world, port)
-    shm = ShmAllToAll.create(dist.group.WORLD, ring_bytes=512)
-    ok = True
-    for dtype in (torch.float32, torch.float64, torch.int64):
-        x = (torch.randn(3, 50, generator=torch.Generator().manual_seed(rank)) * 1000).to(dtype)
-        for op, dist_op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX)):
-            want = x.clone()
-            dist.all_reduce(want, op=dist_op)
-            got = shm.all_reduce_(x.clone(), op)
-            ok &= torch.allclose(got.double(), want.double(), rtol=1e-6, atol=1e-3)
-            mine = [torch.empty_like(got) for _ in range(world)]
-            dist.all_gather(mine, got)
-            ok &= all(torch.equal(m, got) for m in mine)  # the same bits on every rank
+    shm = ShmAllToAll.create(dist.group.WORLD, ring_bytes=4096)  # large tensors stream through
+    failures = []
+
+    def check(what, got, want, tol, scale=1.0):
+        if not torch.allclose(got.double(), want.double(), rtol=tol, atol=tol * scale):
+            failures.append(f"{what}: max diff {(got.double() - want.double()).abs().max().item()}")
+
+    ops = (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG), ("max", dist.ReduceOp.MAX),
+           ("min", dist.ReduceOp.MIN))
+    # 150 elements: the gather-all path; 3 x 20001 (not a multiple of world): reduce-scatter + all-gather
+    for shape in ((3, 50), (3, 20001)):
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64):
+            x = (torch.randn(*shape, generator=torch.Generator().manual_seed(rank)) * 1000).to(dtype)
+            for op, dist_op in ops:
+                if dtype == torch.int64 and op == "avg":
+                    continue
+                want = x.double().clone()  # gloo's result in float64: ours adds 16-bit copies in float32
+                dist.all_reduce(want, op=dist_op if op != "avg" else dist.ReduceOp.SUM)
+                if op == "avg":
+                    want /= world
+                got = shm.all_reduce_(x.clone(), op)
+                check(f"all_reduce {op} {dtype} {shape}", got, want.to(dtype), 1e-2 if dtype == torch.bfloat16 else 1e-6,
+                      scale=1000.0 * world)  # rounding is relative to the addends' size
+                if not _same_on_every_rank(got):
+                    failures.append(f"all_reduce {op} {dtype} {shape}: ranks differ")
+    # reduce to each rank in turn: the destination has the sum, the others keep their input
+    x = torch.randn(1000, 7, generator=torch.Generator().manual_seed(10 + rank))
+    total = x.clone()
+    dist.all_reduce(total)
+    for dst in range(world):
+        got = shm.reduce_(x.clone(), dst, "sum")
+        check(f"reduce to {dst}", got, total if rank == dst else x, 1e-5)
+    # all_gather_into_tensor and reduce_scatter_tensor
+    part = torch.arange(5003, dtype=torch.float32) * (rank + 1)
+    out = torch.empty(world * 5003)
+    shm.all_gather_into_(out, part)
+    want = torch.cat([torch.arange(5003, dtype=torch.float32) * (r + 1) for r in range(world)])
+    check("all_gather_into_tensor", out, want, 0.0)
+    full = torch.randn(world * 3001, generator=torch.Generator().manual_seed(20 + rank))
+    got, want = torch.empty(3001), torch.empty(3001)
+    shm.reduce_scatter_(got, full, "sum")
+    dist.reduce_scatter_tensor(want, full)
+    check("reduce_scatter_tensor", got, want, 1e-5)
     shm.close()
-    results[rank] = ok
+    results[rank] = failures
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_shm_all_reduce_equals_gloo_and_agrees_bitwise(world):
-    assert all(spawn_ranks(_all_reduce_worker, world).values())
+def test_shm_collectives_equal_gloo_and_agree_bitwise(world):
+    """all_reduce_ (both algorithms, every op, 16-bit and integer dtypes), reduce_ to every rank,
+    all_gather_into_ and reduce_scatter_ against gloo's results; the all-reduce leaves the same
+    bits on every rank."""
+    res = spawn_ranks(_collectives_worker, world)
+    assert all(not f for f in res.values()), res
+
+
+def _deepspeed_routing_worker(rank, world, port, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
+    torch.set_num_threads(1)
+    import deepspeed.comm as ds_dist
+    from moe_trainer.parallel.comm import enable_shm_transport, route_deepspeed_collectives
+    from moe_trainer.parallel.launch import init_distributed
+    init_distributed(120)
+    group = dist.new_group(list(range(world)))
+    assert enable_shm_transport(group) and route_deepspeed_collectives()
+    from moe_trainer.parallel.comm import _SHM_TRANSPORTS
+    transport, calls = _SHM_TRANSPORTS[group], []
+    inner = transport.all_to_all_single
+    transport.all_to_all_single = lambda *a, **k: (calls.append(1), inner(*a, **k))[1]
+    x = torch.randn(40000, generator=torch.Generator().manual_seed(rank))
+    want = x.clone()
+    dist.all_reduce(want, group=group)  # torch's gloo, untouched
+    failures = []
+    got = x.clone()
+    ds_dist.all_reduce(got, group=group)  # as ZeRO calls it
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+        failures.append("all_reduce")
+    norm = torch.tensor([float(rank + 1)])
+    ds_dist.all_reduce(norm, op=ds_dist.ReduceOp.MAX, group=group)
+    if norm.item() != world:
+        failures.append(f"all_reduce MAX gave {norm.item()}")
+    red = x.clone()
+    handle = ds_dist.reduce(red, dst=world - 1, group=group, async_op=True)
+    handle.wait()
+    if rank == world - 1 and not torch.allclose(red, want, rtol=1e-5, atol=1e-5):
+        failures.append("reduce")
+    out = torch.empty(world * 3)
+    ds_dist.all_gather_into_tensor(out, torch.full((3,), float(rank)), group=group)
+    if not torch.equal(out, torch.arange(world).float().repeat_interleave(3)):
+        failures.append("all_gather_into_tensor")
+    routed = len(calls)
+    other = x.clone()
+    ds_dist.all_reduce(other)  # the world group has no transport here: gloo
+    if len(calls) != routed or not torch.allclose(other, want, rtol=1e-5, atol=1e-5):
+        failures.append("the world group's call did not stay on gloo")
+    results[rank] = (failures, routed)
+    dist.destroy_process_group()
+
+
+def test_deepspeed_collectives_route_through_shared_memory():
+    """deepspeed.comm's all_reduce (SUM, MAX), async reduce and all_gather_into_tensor on a group
+    with a transport go through its rings and give gloo's results; a group without one stays on
+    gloo."""
+    res = spawn_ranks(_deepspeed_routing_worker, 2)
+    for rank, (failures, routed) in res.items():
+        assert not failures, (rank, failures)
+        assert routed >= 5, (rank, routed)  # all-reduce: 2 exchanges, then 1 each
 
 
 def _dead_peer_worker(rank, world, port, results):

@@ -37,6 +37,10 @@ from .. import cpu_kernels
 RING_BYTES = 4 << 20
 # for groups that only carry the trainer's small all-reduces (a few KB per step)
 SMALL_RING_BYTES = 64 << 10
+# all_reduce_ of at most this many bytes gathers every rank's copy (one exchange); larger ones
+# reduce-scatter and all-gather (two exchanges, 2 (world - 1) / world of the bytes per rank instead
+# of world - 1)
+GATHER_ALL_BYTES = 64 << 10
 
 
 # How long a rank with nothing to send or take spins before it sleeps until a peer rings its doorbell
@@ -106,24 +110,96 @@ class ShmAllToAll:
         self.ops.shm_all_to_all(self.handle, _bytes(x), [n * row for n in in_splits], _bytes(out),
                                 [n * row for n in out_splits], self.timeout_s, self.spin_s)
 
+    # ------------------------------------------------------------------ collectives on top
+    # Every reduction is done by one rank per element, adding the ranks' copies in rank order
+    # (in float32 for 16-bit tensors), so all ranks end with the same bits.
+
     def all_reduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In-place all-reduce ("sum" or "max") of a small CPU tensor: every rank gathers every
-        rank's copy and reduces them in rank order, so all ranks hold the same bits."""
-        flat = t.detach().reshape(-1).contiguous()
-        gathered = flat.new_empty(self.world, flat.numel())
-        self.all_to_all_single(gathered, flat.expand(self.world, -1).contiguous())
-        acc = gathered[0].clone()
-        for r in range(1, self.world):
-            if op == "max":
-                torch.maximum(acc, gathered[r], out=acc)
-            else:
-                acc += gathered[r]
-        with torch.no_grad():
-            t.copy_(acc.view_as(t))
+        """In-place all-reduce of a CPU tensor, op "sum", "avg", "max" or "min". Up to
+        GATHER_ALL_BYTES every rank gathers every copy and reduces them itself (one exchange);
+        above, a reduce-scatter (each rank reduces 1/world of the elements) and an all-gather
+        (two exchanges, half the bytes at world 4)."""
+        flat = t.detach().reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        if flat.numel() * flat.element_size() <= GATHER_ALL_BYTES:
+            gathered = flat.new_empty(self.world, flat.numel())
+            self.all_to_all_single(gathered, flat.expand(self.world, -1).contiguous())
+            out = _reduce_rows(gathered, op)
+        else:
+            sizes = _shares(flat.numel(), self.world)
+            mine = flat.new_empty(self.world, sizes[self.rank])
+            self.all_to_all_single(mine.view(-1), flat, [sizes[self.rank]] * self.world, sizes)
+            part = _reduce_rows(mine, op)
+            out = flat if flat.data_ptr() == t.data_ptr() else torch.empty_like(flat)
+            self.all_to_all_single(out, part.expand(self.world, -1).reshape(-1), sizes,
+                                   [sizes[self.rank]] * self.world)
+        if out.data_ptr() != t.data_ptr():
+            with torch.no_grad():
+                t.copy_(out.view_as(t))
         return t
+
+    def reduce_(self, t: torch.Tensor, dst: int, op: str = "sum") -> torch.Tensor:
+        """dist.reduce: rank `dst` of the group ends with the reduction of every rank's `t`; the
+        others' `t` are unchanged."""
+        flat = t.detach().reshape(-1).contiguous()
+        n, w = flat.numel(), self.world
+        to_dst = [n if j == dst else 0 for j in range(w)]
+        gathered = flat.new_empty(w if self.rank == dst else 0, n)
+        self.all_to_all_single(gathered.view(-1), flat, [n] * w if self.rank == dst else [0] * w, to_dst)
+        if self.rank == dst:
+            with torch.no_grad():
+                t.copy_(_reduce_rows(gathered, op).view_as(t))
+        return t
+
+    def all_gather_into_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """dist.all_gather_into_tensor: `out` (world x numel(x) elements) holds every rank's `x`
+        in rank order."""
+        flat = x.detach().reshape(-1).contiguous()
+        assert out.is_contiguous() and out.numel() == self.world * flat.numel() and out.dtype == flat.dtype, \
+            "all_gather_into_tensor: the output must be contiguous, world x the input's elements, same dtype"
+        self.all_to_all_single(out.view(-1), flat.expand(self.world, -1).reshape(-1),
+                               [flat.numel()] * self.world, [flat.numel()] * self.world)
+        return out
+
+    def reduce_scatter_(self, out: torch.Tensor, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """dist.reduce_scatter_tensor: `out` holds the reduction of every rank's slice `rank` of `x`
+        (world equal slices)."""
+        flat = x.detach().reshape(-1).contiguous()
+        n = out.numel()
+        assert flat.numel() == self.world * n and out.dtype == flat.dtype, \
+            "reduce_scatter_tensor: the input must have world x the output's elements, same dtype"
+        mine = flat.new_empty(self.world, n)
+        self.all_to_all_single(mine.view(-1), flat, [n] * self.world, [n] * self.world)
+        with torch.no_grad():
+            out.copy_(_reduce_rows(mine, op).view_as(out))
+        return out
 
     def close(self) -> None:
         self.ops.shm_channel_close(self.handle)
+
+
+def _shares(n: int, world: int) -> list[int]:
+    """n elements split into world nearly equal consecutive shares (the first n % world one larger)."""
+    return [n // world + (1 if j < n % world else 0) for j in range(world)]
+
+
+def _reduce_rows(rows: torch.Tensor, op: str) -> torch.Tensor:
+    """rows[0] op rows[1] op ... in rank order; sums of 16-bit rows accumulate in float32."""
+    if op in ("max", "min"):
+        acc = rows[0].clone()
+        for r in range(1, rows.shape[0]):
+            (torch.maximum if op == "max" else torch.minimum)(acc, rows[r], out=acc)
+        return acc
+    if op not in ("sum", "avg"):
+        raise ValueError(f"shared-memory reduction: unsupported op {op!r} (sum, avg, max, min)")
+    wide = rows.dtype in (torch.bfloat16, torch.float16)
+    acc = rows[0].float() if wide else rows[0].clone()
+    for r in range(1, rows.shape[0]):
+        acc += rows[r]
+    if op == "avg":
+        acc /= rows.shape[0]
+    return acc.to(rows.dtype) if wide else acc
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
