@@ -11,7 +11,9 @@ steps.
 Our worker builds the Trainer exactly as moe_trainer.train does and times `train_step()`:
   compute    = forward + backward - time inside the dispatch/combine all-to-alls (incl. the count exchange)
   all-to-all = CommCounter.seconds of dispatch*/combine* kinds (blocking: includes waiting for peers)
-  rest       = step - forward - backward (optimizer step with ZeRO-1 reduction, data, bias update)
+  rest       = step - forward - backward (the optimizer step: gradient norm, AdamW, ZeRO-1's parameter
+               all-gather; data; the loss / expert-count all-reduces and the bias update). DeepSpeed
+               reduces the gradients at the end of engine.backward, so that is in compute.
 Bytes per token: rank 0's forward dispatch + combine bytes sent per local token, against
 plan.alltoall_bytes_expected x MoE layers (uniform-routing expectation).
 The peer: transformers' DeepseekV3ForCausalLM loaded from our weights (moe_trainer.hf.to_hf) with
