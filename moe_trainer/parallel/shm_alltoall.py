@@ -114,29 +114,35 @@ class ShmAllToAll:
     # Every reduction is done by one rank per element, adding the ranks' copies in rank order
     # (in float32 for 16-bit tensors), so all ranks end with the same bits.
 
+    def _gather_shares(self, out: torch.Tensor, share: torch.Tensor, sizes: list[int]) -> None:
+        """All-gather: flat `out` (sum(sizes) elements) receives rank j's flat `share` (sizes[j]
+        elements, this rank's = share.numel()) in rank order."""
+        self.all_to_all_single(out, share.repeat(self.world), sizes, [share.numel()] * self.world)  # a copy per rank
+
+    def _reduce_share(self, flat: torch.Tensor, sizes: list[int], op: str) -> torch.Tensor:
+        """Reduce-scatter: flat `flat` cut into consecutive shares of sizes[j] elements; returns the
+        reduction over the ranks of this rank's share."""
+        mine = flat.new_empty(self.world, sizes[self.rank])
+        self.all_to_all_single(mine.view(-1), flat, [sizes[self.rank]] * self.world, sizes)
+        return _reduce_rows(mine, op)
+
     def all_reduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce of a CPU tensor, op "sum", "avg", "max" or "min". Up to
         GATHER_ALL_BYTES every rank gathers every copy and reduces them itself (one exchange);
         above, a reduce-scatter (each rank reduces 1/world of the elements) and an all-gather
         (two exchanges, half the bytes at world 4)."""
-        flat = t.detach().reshape(-1)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        if flat.numel() * flat.element_size() <= GATHER_ALL_BYTES:
-            gathered = flat.new_empty(self.world, flat.numel())
-            self.all_to_all_single(gathered, flat.expand(self.world, -1).contiguous())
-            out = _reduce_rows(gathered, op)
+        flat = t.detach().reshape(-1).contiguous()  # t's own memory when t is contiguous
+        n = flat.numel()
+        if n * flat.element_size() <= GATHER_ALL_BYTES:
+            gathered = flat.new_empty(self.world, n)
+            self._gather_shares(gathered.view(-1), flat, [n] * self.world)
+            flat.copy_(_reduce_rows(gathered, op))
         else:
-            sizes = _shares(flat.numel(), self.world)
-            mine = flat.new_empty(self.world, sizes[self.rank])
-            self.all_to_all_single(mine.view(-1), flat, [sizes[self.rank]] * self.world, sizes)
-            part = _reduce_rows(mine, op)
-            out = flat if flat.data_ptr() == t.data_ptr() else torch.empty_like(flat)
-            self.all_to_all_single(out, part.expand(self.world, -1).reshape(-1), sizes,
-                                   [sizes[self.rank]] * self.world)
-        if out.data_ptr() != t.data_ptr():
+            sizes = _shares(n, self.world)
+            self._gather_shares(flat, self._reduce_share(flat, sizes, op), sizes)
+        if flat.data_ptr() != t.data_ptr():
             with torch.no_grad():
-                t.copy_(out.view_as(t))
+                t.copy_(flat.view_as(t))
         return t
 
     def reduce_(self, t: torch.Tensor, dst: int, op: str = "sum") -> torch.Tensor:
@@ -158,8 +164,7 @@ class ShmAllToAll:
         flat = x.detach().reshape(-1).contiguous()
         assert out.is_contiguous() and out.numel() == self.world * flat.numel() and out.dtype == flat.dtype, \
             "all_gather_into_tensor: the output must be contiguous, world x the input's elements, same dtype"
-        self.all_to_all_single(out.view(-1), flat.expand(self.world, -1).reshape(-1),
-                               [flat.numel()] * self.world, [flat.numel()] * self.world)
+        self._gather_shares(out.view(-1), flat, [flat.numel()] * self.world)
         return out
 
     def reduce_scatter_(self, out: torch.Tensor, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -169,10 +174,8 @@ class ShmAllToAll:
         n = out.numel()
         assert flat.numel() == self.world * n and out.dtype == flat.dtype, \
             "reduce_scatter_tensor: the input must have world x the output's elements, same dtype"
-        mine = flat.new_empty(self.world, n)
-        self.all_to_all_single(mine.view(-1), flat, [n] * self.world, [n] * self.world)
         with torch.no_grad():
-            out.copy_(_reduce_rows(mine, op).view_as(out))
+            out.copy_(self._reduce_share(flat, [n] * self.world, op).view_as(out))
         return out
 
     def close(self) -> None:
