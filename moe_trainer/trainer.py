@@ -27,8 +27,7 @@ from .metrics import MetricSink, peak_memory_gb, peak_tflops, train_flops_per_to
 from .models.registry import build_model, moe_layers
 from .moe import balance
 from .noise_scale import MicroGradNorms, NoiseScale, ReducedGradNorm
-from .parallel.comm import (CommCounter, all_reduce_small, enable_shm_transport, has_shm_transport,
-                            route_deepspeed_collectives)
+from .parallel.comm import CommCounter, all_reduce_small, enable_shm_transport, route_deepspeed_collectives
 from .parallel.context import shard_sequence
 from .parallel.mesh import DeepSpeedMPU, Mesh
 from .parallel.pipeline import PipelineExecutor, Trace, build_stage
@@ -100,13 +99,14 @@ class Trainer:
             load_initial_weights(model, t.init_from)
         self.comm = CommCounter()
         self.model = parallelize(model, cfg, mesh, self.comm)
-        if cfg.parallel.cpu_alltoall == "shm" and dist.is_initialized() and self.layout.world > 1:
+        shm = cfg.parallel.cpu_alltoall == "shm" and dist.is_initialized() and self.layout.world > 1
+        if shm:
             self._enable_shm_collectives()
         self.pipelined = self.layout.pp > 1
         if self.pipelined:
             self.model = build_stage(self.model, cfg, mesh.coord["pp"], t.seq_len)
         self.engine = build_engine(self.model, cfg, self.layout, mpu=DeepSpeedMPU(mesh))
-        if cfg.parallel.cpu_alltoall == "shm" and dist.is_initialized() and self.layout.world > 1:
+        if shm:
             route_deepspeed_collectives()
         self.executor = self._build_executor() if self.pipelined else None
         # the critical batch size: per-micro-batch gradient norms vs the reduced one
@@ -143,9 +143,8 @@ class Trainer:
         deepspeed.comm's calls on these groups there."""
         t = self.cfg.parallel.timeout_s
         for kind, ring in (("dpcp", RING_BYTES), ("edp", RING_BYTES), ("mp", SMALL_RING_BYTES)):
-            group = self.mesh.group(kind)
-            if group is not None and not has_shm_transport(group):
-                enable_shm_transport(group, ring_bytes=ring, timeout_s=t)
+            if self.mesh.group(kind) is not None:
+                enable_shm_transport(self.mesh.group(kind), ring_bytes=ring, timeout_s=t)
         enable_shm_transport(None, ring_bytes=SMALL_RING_BYTES, timeout_s=t)
 
     def prepare_run_dir(self) -> None:

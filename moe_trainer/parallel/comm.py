@@ -54,10 +54,6 @@ def use_shm_transport(group, transport) -> None:
         _SHM_TRANSPORTS[group] = transport
 
 
-def has_shm_transport(group) -> bool:
-    return group in _SHM_TRANSPORTS
-
-
 def enable_shm_transport(group, ring_bytes: int = RING_BYTES, timeout_s: float = 300.0) -> bool:
     """Collective over `group` (None = the world): on a gloo group whose ranks can all use shared
     memory, route its calls through it. True if they now do."""
