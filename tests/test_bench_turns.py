@@ -1,5 +1,5 @@
 """The step-interleaved benchmark driver (moe_trainer/bench_turns.py) with real job processes:
-jobs step strictly in turn (their steps never overlap in time), a multi-rank job's other ranks
+jobs step strictly in turn (their steps never overlap in time; each round starts with the next job), a multi-rank job's other ranks
 follow rank 0's turns through a gloo broadcast, a job that fails mid-run is reported with its
 output while the others go on, and a job that never connects fails the wait instead of hanging."""
 import json
@@ -89,6 +89,22 @@ def test_jobs_step_in_turn_and_never_overlap(tmp_path):
             for other in jobs[i + 1:]:
                 for s0, s1 in mine:
                     assert all(s1 <= o0 or o1 <= s0 for o0, o1 in other), (s0, s1)
+    finally:
+        referee.close()
+
+
+def test_each_round_starts_with_the_next_job(tmp_path):
+    """take_turns rotates the order, so no job always steps first (or always after the same job)."""
+    referee = Referee(timeout_s=120)
+    try:
+        logs = {n: _job(tmp_path, referee, n, 3) for n in ("a", "b", "c")}
+        referee.wait_ready()
+        reports = referee.take_turns(3)
+        assert all([r["i"] for r in reports[n]] == [0, 1, 2] for n in logs)
+        assert referee.finish_all() == {n: {"name": n} for n in logs}
+        starts = {n: [t0 for t0, _ in _intervals(Path(f"{log}.0"))] for n, log in logs.items()}
+        rounds = [sorted(logs, key=lambda n: starts[n][i]) for i in range(3)]
+        assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
     finally:
         referee.close()
 
