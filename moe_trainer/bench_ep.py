@@ -1,6 +1,6 @@
 """Expert-parallel throughput: our trainer at world 1/2/4 (fp32, bf16) and DeepSpeed AutoEP as the peer.
 
-    python -m moe_trainer.bench_ep [--steps 20] [--warmup 3] [--worlds 1,2,4] [--out FILE.json]
+    python -m moe_trainer.bench_ep [--steps 40] [--warmup 8] [--worlds 1,2,4] [--out FILE.json]
 
 Each configuration runs under the deepspeed launcher (`--module moe_trainer.bench_ep --worker ...`).
 The configurations of one world size and dtype (ours with dedup off and on, the peer with glibc's
@@ -53,10 +53,18 @@ def _init(world: int):
 
 def medians(steps: list[dict]) -> dict:
     """tokens/s from the median step; compute, all-to-all and rest each their own median (so they
-    need not add up exactly)."""
+    need not add up exactly). Also tokens/s of each half of the timed steps, and (ours) the mean over
+    each half of the most loaded EP rank's rows over the mean: with balancing on, ours should speed up
+    as its load evens out; AutoEP never moves its bias."""
     med = {k: statistics.median(t[k] for t in steps) for k in ("step", "compute", "all_to_all", "rest")}
-    return {"steps": len(steps), "tokens_per_s": GLOBAL_BATCH * SEQ / med["step"],
-            **{f"{k}_s": v for k, v in med.items()}}
+    halves = [steps[:len(steps) // 2], steps[len(steps) // 2:]] if len(steps) > 1 else [steps, steps]
+    out = {"steps": len(steps), "tokens_per_s": GLOBAL_BATCH * SEQ / med["step"],
+           **{f"{k}_s": v for k, v in med.items()}}
+    for name, half in zip(("1st", "2nd"), halves):
+        out[f"tokens_per_s_{name}"] = GLOBAL_BATCH * SEQ / statistics.median(t["step"] for t in half)
+        loads = [t["rank_load"] for t in half if "rank_load" in t]
+        out[f"rank_load_{name}"] = statistics.mean(loads) if loads else float("nan")
+    return out
 
 
 def worker_ours(a) -> None:
@@ -66,6 +74,7 @@ def worker_ours(a) -> None:
     from . import plan
     from .bench_turns import Turns
     from .config import load_config, validate_layout
+    from .expert_load import imbalance_stats
     from .parallel.launch import keep_freed_memory
     from .parallel.mesh import build_mesh
     from .trainer import Trainer
@@ -85,8 +94,9 @@ def worker_ours(a) -> None:
         trainer.step += 1
         t = r["times"]
         a2a = sum(v for k, v in r["comm"].get("seconds", {}).items() if k.startswith(("dispatch", "combine")))
+        rank_load = imbalance_stats(r["expert"]["rank_rows"])["max_over_mean"].mean()
         turns.report({"step": r["step_time"], "compute": t.forward + t.backward - a2a, "all_to_all": a2a,
-                      "rest": r["step_time"] - t.forward - t.backward,
+                      "rest": r["step_time"] - t.forward - t.backward, "rank_load": float(rank_load),
                       "sent": sum(r["comm"]["sent"].get(k, 0) for k in ("dispatch", "combine"))})
     m = cfg.model
     elem = 2 if a.dtype == "bf16" else 4
@@ -186,13 +196,16 @@ def _f(x, fmt="{:.0f}"):
 
 def table(rows: list[dict]) -> str:
     lines = ["| impl | world=ep | dtype | dedup | tokens/s | step s | compute s | all-to-all s | rest s | "
-             "a2a bytes/token (fwd, sent) | planner bytes/token |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "a2a bytes/token (fwd, sent) | planner bytes/token | tokens/s 1st / 2nd half | "
+             "EP rank load max/mean 1st / 2nd half |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['impl']} | {r['world']} | {r['dtype']} | {'on' if r['dedup'] else 'off'} | "
                      f"{_f(r['tokens_per_s'])} | {_f(r['step_s'], '{:.3f}')} | {_f(r['compute_s'], '{:.3f}')} | "
                      f"{_f(r['all_to_all_s'], '{:.3f}')} | {_f(r['rest_s'], '{:.3f}')} | "
-                     f"{_f(r['bytes_per_token'])} | {_f(r['planned_bytes_per_token'])} |")
+                     f"{_f(r['bytes_per_token'])} | {_f(r['planned_bytes_per_token'])} | "
+                     f"{_f(r['tokens_per_s_1st'])} / {_f(r['tokens_per_s_2nd'])} | "
+                     f"{_f(r['rank_load_1st'], '{:.2f}')} / {_f(r['rank_load_2nd'], '{:.2f}')} |")
     return "\n".join(lines)
 
 
@@ -203,8 +216,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--dedup", action="store_true")
     ap.add_argument("--keep-freed", action="store_true", help=argparse.SUPPRESS)  # AutoEP worker: our allocator
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--turns", default="", help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", default="")
     ap.add_argument("--hf", default="")
@@ -217,6 +230,8 @@ def main(argv=None) -> int:
     if a.worker:
         (worker_ours if a.worker == "ours" else worker_autoep)(a)
         return 0
+    if not 0 <= a.warmup < a.steps:
+        ap.error(f"--warmup must be at least 0 and below --steps ({a.steps}), got {a.warmup}")
     worlds = [int(w) for w in a.worlds.split(",") if w]
     dtypes = [d for d in a.dtypes.split(",") if d]
     peer_worlds = [int(w) for w in a.peer_worlds.split(",") if w]

@@ -378,7 +378,8 @@ class Trainer:
             all_reduce_small(stats, self.mesh.group("pp"))
         self._load_interval += counts.cpu()
         self._rank_load_interval += stats[:, 5:].float().cpu()
-        return {"counts": counts.cpu(), "stats": stats[:, :5].cpu()}
+        # rank_rows: (layers, ep) rows each EP rank's experts computed in this step
+        return {"counts": counts.cpu(), "stats": stats[:, :5].cpu(), "rank_rows": stats[:, 5:].float().cpu()}
 
     def biases(self) -> torch.Tensor:
         """(moe_layers, E) balancing biases, every stage's rows (collective under pp)."""
