@@ -158,11 +158,10 @@ class Referee:
         orders of a pairing, so a fixed order would hand one job that edge. after_round(i, reports)
         runs after round i, every job asleep."""
         reports: dict[str, list[dict]] = {name: [] for name in self.jobs}
-        names = list(self.jobs)
-        for i in range(steps if names else 0):
-            for name in names[i % len(names):] + names[:i % len(names)]:
-                if self.jobs[name].error is not None:
-                    continue
+        for i in range(steps):
+            running = self.running()
+            k = i % len(running) if running else 0
+            for name in running[k:] + running[:k]:
                 info = self.step(name)
                 if info is not None:
                     reports[name].append(info)

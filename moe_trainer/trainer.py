@@ -376,10 +376,10 @@ class Trainer:
         if self.mesh.group("pp") is not None:  # every stage's rows, for logging
             all_reduce_small(counts, self.mesh.group("pp"))
             all_reduce_small(stats, self.mesh.group("pp"))
-        self._load_interval += counts.cpu()
-        self._rank_load_interval += stats[:, 5:].float().cpu()
-        # rank_rows: (layers, ep) rows each EP rank's experts computed in this step
-        return {"counts": counts.cpu(), "stats": stats[:, :5].cpu(), "rank_rows": stats[:, 5:].float().cpu()}
+        counts, rank_rows = counts.cpu(), stats[:, 5:].float().cpu()  # rank_rows: (layers, ep) this step
+        self._load_interval += counts
+        self._rank_load_interval += rank_rows
+        return {"counts": counts, "stats": stats[:, :5].cpu(), "rank_rows": rank_rows}
 
     def biases(self) -> torch.Tensor:
         """(moe_layers, E) balancing biases, every stage's rows (collective under pp)."""

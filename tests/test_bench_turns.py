@@ -1,7 +1,8 @@
 """The step-interleaved benchmark driver (moe_trainer/bench_turns.py) with real job processes:
-jobs step strictly in turn (their steps never overlap in time; each round starts with the next job), a multi-rank job's other ranks
-follow rank 0's turns through a gloo broadcast, a job that fails mid-run is reported with its
-output while the others go on, and a job that never connects fails the wait instead of hanging."""
+jobs step strictly in turn (their steps never overlap in time; each round starts with the next
+job), a multi-rank job's other ranks follow rank 0's turns through a gloo broadcast, a job that
+fails mid-run is reported with its output while the others go on, and a job that never connects
+fails the wait instead of hanging."""
 import json
 import subprocess
 import sys
