@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..models.lm import LMOutput, add_aux
+from .p2p import PeerExchange, comm_plan
 
 # ----------------------------------------------------------------------------- partition (pure)
 
@@ -261,15 +261,14 @@ class StepResult:
 
 
 class PipelineExecutor:
-    """Runs one optimizer step of one stage: the schedule's forwards and backwards,
-    point-to-point sends (asynchronous) and receives (blocking) with its neighbours."""
+    """Runs one optimizer step of one stage: the schedule's forwards and backwards, and the
+    point-to-point transfers with its neighbours, batched as p2p.comm_plan says (NCCL-safe)."""
 
     def __init__(self, engine, stage: PipelineStage, mesh, micro_batches: int, carried_shape: tuple,
                  dtype: torch.dtype, device: torch.device, schedule: str = "1f1b", trace: Optional[Trace] = None,
                  meter: Optional[ActivationMeter] = None, counter=None):
         self.engine, self.stage, self.mesh = engine, stage, mesh
-        self.counter = counter  # a CommCounter: bytes of every send ("pp_send") and receive ("pp_recv")
-        self.m, self.shape, self.dtype, self.device = micro_batches, carried_shape, dtype, device
+        self.m = micro_batches
         pp, s = mesh.layout.pp, mesh.coord["pp"]
         self.ops = SCHEDULES[schedule](s, pp, micro_batches)
         ranks = mesh.members["pp"]
@@ -277,50 +276,39 @@ class PipelineExecutor:
         self.next = ranks[s + 1] if s < pp - 1 else None
         self.trace = trace or Trace()
         self.meter = meter
+        self.exchange = PeerExchange(carried_shape, dtype, device, counter, self.trace.record)
         self.poison = False  # fault drill: make this step's loss NaN on the last stage
 
-    def _recv(self, src: int, kind: str, micro: int) -> torch.Tensor:
-        t0 = time.perf_counter()
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        dist.recv(buf, src=src)
-        t1 = time.perf_counter()
-        self.trace.record(kind, micro, t0, t1)
-        if self.counter is not None:
-            self.counter.add("pp_recv", 0, buf.numel() * buf.element_size())
-            self.counter.add_time("pp_recv", t1 - t0)
-        return buf
-
-    def _send(self, t: torch.Tensor, dst: int, kind: str, micro: int, pending: list) -> None:
-        t0 = time.perf_counter()
-        t = t.contiguous()
-        pending.append((dist.isend(t, dst=dst), t))
-        t1 = time.perf_counter()
-        self.trace.record(kind, micro, t0, t1)
-        if self.counter is not None:
-            self.counter.add("pp_send", t.numel() * t.element_size(), 0)
-            self.counter.add_time("pp_send", t1 - t0)
+    def _run(self, ops: list, run_op: Callable, res: Optional[StepResult] = None) -> None:
+        """ops in order, each after its batch of transfers; run_op(op, received) -> {(kind, micro): tensor}
+        to send."""
+        received, outgoing = {}, {}
+        for batch, op in comm_plan(ops, self.prev, self.next):
+            t = time.perf_counter()
+            received.update(self.exchange.run(batch, outgoing))
+            if res is not None and any(not tr.send for tr in batch):
+                res.wait_s += time.perf_counter() - t
+            if op is not None:
+                outgoing.update(run_op(op, received))
 
     def step(self, get_batch: Callable[[int], tuple]) -> StepResult:
         """get_batch(i) -> (input_ids, labels, positions) of micro-batch i."""
         res = StepResult(losses={})
         saved: dict[int, tuple] = {}
-        pending: list = []
-        for kind, i in self.ops:
+
+        def run_op(op, received):
+            kind, i = op
             if kind == "F":
-                self._forward(i, get_batch, saved, pending, res)
-            else:
-                self._backward(i, saved, pending, res)
-        for work, _ in pending:
-            work.wait()
+                return self._forward(i, get_batch, received.pop(("act", i), None), saved, res)
+            return self._backward(i, received.pop(("grad", i), None), saved, res)
+
+        self._run(self.ops, run_op, res)
         return res
 
-    def _forward(self, i, get_batch, saved, pending, res) -> None:
+    def _forward(self, i, get_batch, carried, saved, res) -> dict:
         inputs, labels, positions = get_batch(i)
-        carried = None
-        if self.prev is not None:
-            t = time.perf_counter()
-            carried = self._recv(self.prev, "recv_fwd", i).requires_grad_()
-            res.wait_s += time.perf_counter() - t
+        if carried is not None:
+            carried.requires_grad_()
         t0 = time.perf_counter()
         ctx = self.meter.hooks() if self.meter else contextlib.nullcontext()
         with ctx:
@@ -333,22 +321,18 @@ class PipelineExecutor:
             for k, v in out.losses.items():
                 res.losses[k] = res.losses.get(k, 0.0) + (v.float() * float("nan") if self.poison else v.float())
             saved[i] = (carried, loss, None)
-        else:
-            if aux is not None:
-                res.losses["aux"] = res.losses.get("aux", 0.0) + aux.detach().float()
-            self._send(out.detach(), self.next, "send_fwd", i, pending)
-            saved[i] = (carried, out, aux)
+            return {}
+        if aux is not None:
+            res.losses["aux"] = res.losses.get("aux", 0.0) + aux.detach().float()
+        saved[i] = (carried, out, aux)
+        return {("act", i): out.detach()}
 
-    def _backward(self, i, saved, pending, res) -> None:
+    def _backward(self, i, grad, saved, res) -> dict:
         carried, out, aux = saved.pop(i)
         t0 = time.perf_counter()
         if self.stage.last:
             self.engine.backward(out)
         else:
-            t = time.perf_counter()
-            grad = self._recv(self.next, "recv_bwd", i)
-            res.wait_s += time.perf_counter() - t
-            t0 = time.perf_counter()
             # d(surrogate)/d(out) = grad, which already carries the 1/GAS of the
             # last stage's loss; this stage's own aux loss gets that scale here
             surrogate = (out.float() * grad.float()).sum()
@@ -358,25 +342,23 @@ class PipelineExecutor:
         t1 = time.perf_counter()
         self.trace.record("backward", i, t0, t1)
         res.backward_s += t1 - t0
-        if self.prev is not None:
-            self._send(carried.grad, self.prev, "send_bwd", i, pending)
         self.engine.step()  # the optimizer steps at the accumulation boundary
+        return {("grad", i): carried.grad} if self.prev is not None else {}
 
     @torch.no_grad()
     def forward_only(self, get_batch) -> dict:
         """Evaluation: every micro-batch through the stages, no backward."""
         losses: dict = {}
-        pending: list = []
         module = self.engine.module
-        for i in range(self.m):
+
+        def run_op(op, received):
+            i = op[1]
             inputs, labels, positions = get_batch(i)
-            carried = self._recv(self.prev, "recv_fwd", i) if self.prev is not None else None
-            out, _ = module(carried, inputs, labels if self.stage.last else None, positions)
+            out, _ = module(received.pop(("act", i), None), inputs, labels if self.stage.last else None, positions)
             if self.stage.last:
                 losses["lm"] = losses.get("lm", 0.0) + out.losses["lm"].float()
-            else:
-                self._send(out, self.next, "send_fwd", i, pending)
-        for work, _ in pending:
-            work.wait()
-        return losses
+                return {}
+            return {("act", i): out}
 
+        self._run([("F", i) for i in range(self.m)], run_op)
+        return losses

@@ -1,0 +1,134 @@
+"""Pipeline point-to-point under NCCL's rule (a send completes only once the peer posted the
+matching receive; a rank's transfers run in issue order, a batch_isend_irecv as one group call):
+a pure rendezvous simulation of every schedule's transfer plan, the simulation failing the
+unbatched order the executor used before, and the gloo wrapper (tests/nccl_p2p_rule.py) that the
+multi-rank tests run under, failing that order on real processes and passing the batched one."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import pytest
+import torch
+
+from moe_trainer.parallel.p2p import Transfer, comm_plan, needs, produces
+from moe_trainer.parallel.pipeline import SCHEDULES
+
+from conftest import spawn_ranks
+
+
+def neighbours(s: int, p: int) -> tuple[Optional[int], Optional[int]]:
+    return (s - 1 if s > 0 else None), (s + 1 if s < p - 1 else None)
+
+
+def batched_plan(schedule: str, s: int, p: int, m: int) -> list[list[Transfer]]:
+    """Stage s's batches of transfers, in issue order, as the executor posts them."""
+    return [batch for batch, _ in comm_plan(SCHEDULES[schedule](s, p, m), *neighbours(s, p)) if batch]
+
+
+def unbatched_plan(schedule: str, s: int, p: int, m: int) -> list[list[Transfer]]:
+    """The order before batching: each receive right before its operation, each send right after."""
+    out = []
+    for op in SCHEDULES[schedule](s, p, m):
+        out += [[t] for t in needs(op, *neighbours(s, p))]
+        out += [[t] for t in produces(op, *neighbours(s, p))]
+    return out
+
+
+def simulate(plans: list[list[list[Transfer]]]) -> Optional[str]:
+    """Run every rank's batches under the rule; None if all finish, else where they are stuck.
+
+    Transfers on a channel (src -> dst) match in order. A transfer completes when its partner is
+    in the partner rank's current batch; a rank moves to its next batch once all of its current
+    batch completed."""
+    ops = []  # per rank, per batch: [(src, dst, kind, n)]
+    count: dict = {}
+    for r, batches in enumerate(plans):
+        ops.append([])
+        for batch in batches:
+            row = []
+            for t in batch:
+                src, dst = (r, t.peer) if t.send else (t.peer, r)
+                n = count.get((src, dst, t.send), 0)
+                count[(src, dst, t.send)] = n + 1
+                row.append((src, dst, t.kind, n, t.send))
+            ops[-1].append(row)
+    for (src, dst, is_send), n in count.items():  # every send has its receive
+        assert count.get((src, dst, not is_send)) == n, (src, dst)
+    pos, done = [0] * len(plans), set()
+    while True:
+        moved = False
+        for r in range(len(plans)):
+            if pos[r] == len(ops[r]):
+                continue
+            for src, dst, kind, n, is_send in ops[r][pos[r]]:
+                peer = dst if is_send else src
+                partner = (src, dst, kind, n, not is_send)
+                if pos[peer] < len(ops[peer]) and partner in ops[peer][pos[peer]]:
+                    done.update({(src, dst, kind, n, is_send), partner})
+        for r in range(len(plans)):
+            while pos[r] < len(ops[r]) and all(o in done for o in ops[r][pos[r]]):
+                pos[r] += 1
+                moved = True
+        if all(pos[r] == len(ops[r]) for r in range(len(plans))):
+            return None
+        if not moved:
+            return "; ".join(f"stage {r} stuck at {ops[r][pos[r]]}" for r in range(len(plans)) if pos[r] < len(ops[r]))
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_every_schedule_is_deadlock_free_under_nccl_rule(schedule):
+    for p in range(1, 9):
+        for m in range(1, 17):
+            stuck = simulate([batched_plan(schedule, s, p, m) for s in range(p)])
+            assert stuck is None, (schedule, p, m, stuck)
+
+
+def test_the_unbatched_order_deadlocks_under_nccl_rule():
+    """The simulation can fail: 1F1B with each transfer issued alone (the executor's order before
+    batching) deadlocks as soon as a steady state exists."""
+    assert simulate([unbatched_plan("1f1b", s, 2, 2) for s in range(2)]) is not None
+    for p, m in [(2, 4), (4, 8), (8, 16)]:
+        assert simulate([unbatched_plan("1f1b", s, p, m) for s in range(p)]) is not None, (p, m)
+    assert simulate([unbatched_plan("1f1b", s, 2, 1) for s in range(2)]) is None  # no steady state
+
+
+def test_plan_batches_sends_with_next_receives():
+    # stage 0 of 2, 1F1B, m = 3 (F0 F1 B0 F2 B1 B2): the steady state posts F1's send with B0's receive
+    plan = comm_plan(SCHEDULES["1f1b"](0, 2, 3), None, 1)
+    ops = [op for _, op in plan]
+    assert ops == SCHEDULES["1f1b"](0, 2, 3) + [None]
+    batch_before_b0 = plan[ops.index(("B", 0))][0]
+    assert {(t.kind, t.micro, t.send) for t in batch_before_b0} == {("act", 1, True), ("grad", 0, False)}
+
+
+def _crossing_sends(rank, world, port, batched, results):
+    """Each rank sends a tensor to the other and then receives one: the order 1F1B's steady state
+    had between neighbouring stages (the same call order on both ranks)."""
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import nccl_p2p_rule
+    nccl_p2p_rule.install(timeout_s=3)
+    out, buf = torch.full((1 << 16,), float(rank)), torch.empty(1 << 16)
+    peer = 1 - rank
+    try:
+        if batched:
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, buf, peer)]):
+                w.wait()
+        else:
+            work = dist.isend(out, peer)
+            dist.recv(buf, peer)
+            work.wait()
+        results[rank] = ("ok", float(buf[0]))
+    except nccl_p2p_rule.NcclRuleDeadlock as e:
+        results[rank] = ("deadlock", str(e))
+    dist.destroy_process_group()
+
+
+def test_gloo_wrapper_fails_the_crossing_order_and_passes_the_batched_one():
+    bad = spawn_ranks(_crossing_sends, 2, False)
+    assert [bad[r][0] for r in (0, 1)] == ["deadlock", "deadlock"], bad
+    assert "send #0 to rank 1" in bad[0][1] and "deadlock" in bad[0][1]
+    good = spawn_ranks(_crossing_sends, 2, True)
+    assert good == {0: ("ok", 1.0), 1: ("ok", 0.0)}
