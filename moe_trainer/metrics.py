@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from . import cpu_kernels
+from .kernels.cpu import extension as cpu_kernels
 from .config import ModelConfig
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from vendor datasheets.

@@ -50,7 +50,8 @@ def make_trainer(cfg, layout):
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from .parallel.launch import init_distributed, keep_freed_memory
+    from . import kernels
+    from .parallel.launch import init_distributed
     from .parallel.mesh import build_mesh
     from .trainer import Trainer
 
@@ -59,11 +60,16 @@ def make_trainer(cfg, layout):
     accel.set_device(local_rank)
     device = torch.device(accel.device_name(local_rank))
     _set_threads(device.type)
+    backend = kernels.select(device)  # before the model is built: its modules keep this choice
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"kernels: {backend.name} ({kernels.ENV}={os.environ.get(kernels.ENV, 'auto')}, device {device.type})",
+              flush=True)
     if device.type == "cpu" and cfg.train.keep_freed_memory:
+        from .kernels.cpu.allocator import keep_freed_memory
         keep_freed_memory()
-    if device.type == "cpu":  # build (first run on a machine, ~20 s) before any collective can wait on it
-        from .cpu_kernels import kernels
-        kernels()
+    if backend.name == "cpu":  # build (first run on a machine, ~20 s) before any collective can wait on it
+        from .kernels.cpu.extension import kernels as build_cpu_kernels
+        build_cpu_kernels()
     init_distributed(cfg.parallel.timeout_s)
     return Trainer(cfg, build_mesh(layout, int(os.environ["RANK"])), device)
 
@@ -78,6 +84,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from .kernels import KernelConfigError
     from .parallel.launch import shutdown_distributed
     from .trainer import TrainingHalted
 
@@ -85,7 +92,7 @@ def main(argv=None) -> int:
     try:
         trainer = make_trainer(cfg, layout)
         trainer.train()
-    except (DataError, CheckpointError, ConfigError, HFFormatError) as e:
+    except (DataError, CheckpointError, ConfigError, HFFormatError, KernelConfigError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except TrainingHalted as e:

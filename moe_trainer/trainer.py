@@ -31,7 +31,7 @@ from .parallel.comm import CommCounter, all_reduce_small, enable_shm_transport, 
 from .parallel.context import shard_sequence
 from .parallel.mesh import DeepSpeedMPU, Mesh
 from .parallel.pipeline import PipelineExecutor, Trace, build_stage
-from .parallel.shm_alltoall import RING_BYTES, SMALL_RING_BYTES
+from .kernels.cpu.shm_alltoall import RING_BYTES, SMALL_RING_BYTES
 from .parallel.parallelize import parallelize
 from .parallel.zero import build_engine, set_lr
 
@@ -316,7 +316,8 @@ class Trainer:
             self.noise.update(float(small), float(big), b_small, b_big)  # host sync
 
     def pipeline_step(self) -> dict:
-        self.barrier()  # a common start, so the trace's stages line up
+        if self.trace.enabled:
+            self.barrier()  # a common start, so the trace's stages line up (only when tracing)
         t0 = time.perf_counter()
         self.trace.events.clear()
         self.trace.start()

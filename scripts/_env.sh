@@ -24,5 +24,5 @@ install_project() {  # $1: extras spec, e.g. "[test]" or ""
   "$VPY" -c "from deepspeed.accelerator import get_accelerator as g; g().create_op_builder('ShareMemCommBuilder').load()" \
     >/dev/null 2>&1 || true
   # and ours (~20 s once), so the ranks of a job never race to build it
-  "$VPY" -m moe_trainer.cpu_kernels >/dev/null 2>&1 || true
+  "$VPY" -m moe_trainer.kernels.cpu.extension >/dev/null 2>&1 || true
 }

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,9 +38,11 @@ def spawn_ranks(fn, world: int, *args) -> dict:
 
 
 def env() -> dict:
-    """A launched job's environment: DeepSpeed's CPU accelerator without a GPU, this checkout on the
-    path, one OpenMP thread per process."""
-    return worker_env(1, ROOT)
+    """A launched job's environment: DeepSpeed's CPU accelerator without a GPU, this checkout and
+    tests/ (nccl_p2p_rule) on the path, one OpenMP thread per process."""
+    e = worker_env(1, ROOT)
+    e["PYTHONPATH"] = str(ROOT / "tests") + os.pathsep + e["PYTHONPATH"]
+    return e
 
 
 def launch(n: int, out_dir: Path, overrides: list[str], config: str = "configs/moe_tiny.yaml",
@@ -50,7 +53,9 @@ def launch(n: int, out_dir: Path, overrides: list[str], config: str = "configs/m
     ranks, sets their environment and ends them all when one fails), started the way the
     `deepspeed` command starts it on a single node; "deepspeed-cli" goes through that command
     itself (its runner only adds a second `import deepspeed`, ~2 s of one core per launch, which
-    the run-directory and launcher tests still pay)."""
+    the run-directory and launcher tests still pay). Under "deepspeed" and "torchrun" every rank
+    runs the trainer with torch.distributed's point-to-point calls held to NCCL's rule
+    (tests/nccl_p2p_rule.py): a pipeline order that deadlocks on GPUs fails here."""
     args = [f"--config={config}"] + [a for o in overrides + [f"run.out_dir={out_dir}"] for a in ("--set", o)]
     if launcher == "deepspeed-cli":
         cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(n), "--master_port", str(free_port()),
@@ -58,10 +63,10 @@ def launch(n: int, out_dir: Path, overrides: list[str], config: str = "configs/m
     elif launcher == "deepspeed":
         world_info = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(n))}).encode()).decode()
         cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--module", "moe_trainer.train", *args]
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--module", "nccl_p2p_rule", *args]
     elif launcher == "torchrun":
         cmd = [str(VENV_BIN / "torchrun"), f"--nproc-per-node={n}", f"--master-port={free_port()}",
-               "-m", "moe_trainer.train", *args]
+               "-m", "nccl_p2p_rule", *args]
     else:
         cmd = [sys.executable, "-m", "moe_trainer.train", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
@@ -148,5 +153,5 @@ def assert_same_final_weights(one_dir: Path, many_dir: Path, step: int = 5) -> N
 def cpu_kernels_built():
     """Build the fused CPU kernels once, before any test (the first build takes ~20 s; every later
     process, spawned ranks included, loads the cached copy)."""
-    from moe_trainer import cpu_kernels
+    from moe_trainer.kernels.cpu import extension as cpu_kernels
     cpu_kernels.kernels()

@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from moe_trainer import cpu_kernels
-from moe_trainer.moe import experts as ex
+from moe_trainer.kernels.cpu import extension as cpu_kernels
+from moe_trainer.kernels.cpu import experts as ex
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +106,12 @@ def test_grouped_experts_with_fused_kernel_equal_torch_ops(ops, monkeypatch, dty
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
 def test_dense_silu_mul_equals_autograd(ops, dtype, tol):
     """SwiGLU.act on CPU (the fused SiluMul) against autograd's F.silu(g) * u in float64."""
-    from moe_trainer.models.layers import SiluMul, SwiGLU
+    from moe_trainer.kernels.cpu.layers import SiluMul
+    from moe_trainer.models.layers import SwiGLU
     gen = torch.Generator().manual_seed(2)
     g0, u0, w = (torch.randn(3, 37, 24, generator=gen, dtype=torch.float64) * 2 for _ in range(3))
     g, u = g0.to(dtype).requires_grad_(), u0.to(dtype).requires_grad_()
-    out = SwiGLU.act(g, u)
+    out = SwiGLU(1, 1).act(g, u)  # a module built with the CPU back end
     assert out.grad_fn is not None and type(out.grad_fn).__name__.startswith(SiluMul.__name__)
     (out * w.to(dtype)).sum().backward()
     g64, u64 = g.detach().double().requires_grad_(), u.detach().double().requires_grad_()
@@ -142,7 +143,7 @@ def test_a_dead_builders_lock_file_does_not_block_the_next_process(tmp_path):
     broken = tmp_path / "cpu_kernels.cpp"
     broken.write_text("this is not C++\n")
     script = (
-        "import warnings, pathlib; from moe_trainer import cpu_kernels as c\n"
+        "import warnings, pathlib; from moe_trainer.kernels.cpu import extension as c\n"
         f"c.SOURCE = pathlib.Path({str(broken)!r})\n"
         "d = c.build_dir(); d.mkdir(parents=True); (d / 'lock').touch()\n"
         "warnings.simplefilter('ignore')\n"
@@ -202,7 +203,7 @@ def test_fused_causal_attention_equals_torch_ops(ops, monkeypatch, dtype, t):
     outputs and the three gradients. fp32 runs the whole-attention kernel (one task per batch x
     head, on 1 and on 2 threads); then, as bf16 does, the fused softmax with blocked GEMMs that
     skip the hidden tiles (from 129 rows in fp32 / 257 in bf16)."""
-    from moe_trainer.models import layers
+    from moe_trainer.kernels.cpu import layers
     calls, whole_calls = [], []
     real = ops.causal_softmax_forward_
     monkeypatch.setattr(ops, "causal_softmax_forward_", lambda *a: calls.append(a[0].shape) or real(*a))

@@ -1,5 +1,5 @@
 """train.keep_freed_memory: on glibc, large freed tensors are reused instead of being
-unmapped and page-faulted in again on the next step (parallel.launch.keep_freed_memory)."""
+unmapped and page-faulted in again on the next step (kernels.cpu.allocator.keep_freed_memory)."""
 from __future__ import annotations
 
 import platform
@@ -12,7 +12,7 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import resource, sys, torch
     if sys.argv[1] == "on":
-        from moe_trainer.parallel.launch import keep_freed_memory
+        from moe_trainer.kernels.cpu.allocator import keep_freed_memory
         assert keep_freed_memory()
     faults, rss = [], []
     for _ in range(30):

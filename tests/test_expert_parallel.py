@@ -12,7 +12,7 @@ from moe_trainer.moe.layer import MoE
 from moe_trainer.parallel.comm import CommCounter, use_shm_transport
 from moe_trainer.parallel.expert import AllToAllDispatcher, shard_experts
 from moe_trainer.parallel.mesh import group_ranks
-from moe_trainer.parallel.shm_alltoall import ShmAllToAll
+from moe_trainer.kernels.cpu.shm_alltoall import ShmAllToAll
 
 from conftest import spawn_ranks
 

@@ -88,7 +88,7 @@ def test_counted_flops_match_the_models_matmuls(monkeypatch):
     path: the fp32 attention kernel's GEMMs run inside C++, where the counter cannot see them, and
     F.linear: oneDNN's matmul, which the projections use on a CPU in fp32, is no op the counter knows)."""
     from torch.utils.flop_counter import FlopCounterMode
-    from moe_trainer import cpu_kernels
+    from moe_trainer.kernels.cpu import extension as cpu_kernels
     from moe_trainer.models import layers
     from moe_trainer.models.registry import build_model
     monkeypatch.setattr(layers, "fused_attention_ops", lambda q: None)

@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import gradcheck
 
-from moe_trainer import cpu_kernels
+from moe_trainer.kernels.cpu import extension as cpu_kernels
 from moe_trainer.models.layers import Linear
-from moe_trainer.moe import experts as ex
+from moe_trainer.kernels.cpu import experts as ex
 from moe_trainer.moe.dispatcher import CombineRows, GatherRows, inverse_permutation, route_order
+from moe_trainer.moe.experts import Experts
 
 
 @pytest.fixture
@@ -186,7 +187,7 @@ def test_padded_experts_gradcheck(small_blocks):
 def _fast_and_loop_experts(dtype):
     """The same 5 experts as the module's fast path and as the loop reference, and rows for them."""
     counts = [37, 0, 80, 5, 33]
-    fast, ref = ex.Experts(5, 32, 24, impl="grouped"), ex.Experts(5, 32, 24, impl="loop")
+    fast, ref = Experts(5, 32, 24, impl="grouped"), Experts(5, 32, 24, impl="loop")
     for m in (fast, ref):
         torch.manual_seed(0)
         torch.nn.init.normal_(m.gate_up_proj, std=0.2)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from moe_trainer.parallel.comm import all_to_all_single, use_shm_transport
-from moe_trainer.parallel.shm_alltoall import ShmAllToAll
+from moe_trainer.kernels.cpu.shm_alltoall import ShmAllToAll
 
 from conftest import spawn_ranks
 

@@ -12,7 +12,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..moe.layer import MoE
-from .layers import Linear, RMSNorm, SwiGLU, apply_rope, causal_attention, yarn_softmax_scale
+from .. import kernels
+from .layers import Linear, RMSNorm, SwiGLU, apply_rope, yarn_softmax_scale
 from .lm import CausalLM, add_aux, lm_loss
 
 
@@ -44,6 +45,7 @@ class MLA(nn.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = Linear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
         self.softmax_scale = yarn_softmax_scale(self.qk_head_dim, cfg.rope_scaling)
+        self.kernels = kernels.backend()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -58,7 +60,7 @@ class MLA(nn.Module):
         k_rope = apply_rope(k_rope.view(b, 1, t, self.qk_rope_head_dim), cos, sin, self.interleaved)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(b, self.n_heads, t, self.qk_rope_head_dim)], dim=-1)
-        out = causal_attention(q, k, v, self.softmax_scale)  # (B, H, T, Dv)
+        out = self.kernels.causal_attention(q, k, v, self.softmax_scale)  # (B, H, T, Dv)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.v_head_dim))
 
 

@@ -1,6 +1,8 @@
-"""Building blocks shared by both architectures: RMSNorm, RoPE variants, SwiGLU.
+"""Building blocks shared by both architectures: RMSNorm, Linear, SwiGLU, RoPE, causal attention.
 
-Plain single-device PyTorch; no process groups here.
+Plain single-device PyTorch; no process groups here. Each module takes the kernel back end
+(moe_trainer.kernels) when it is built and hands its maths off to it in one line: the
+device-generic accelerator path (what GPUs run), the CPU back end, or the plain reference.
 """
 from __future__ import annotations
 
@@ -8,83 +10,34 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .. import cpu_kernels
+from .. import kernels
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, cast back to the input dtype before the gain.
-
-    On a CPU (fp32 or bf16, weight in the input's dtype) one fused C++ pass each way
-    (cpu_kernels.py, FusedRMSNorm) replaces the seven ops below and their backward."""
+    """RMSNorm computed in fp32, cast back to the input dtype before the gain (Hugging Face's order)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = kernels.backend()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.ops_for(x, self.weight) is not None:  # also requires weight in x's dtype
-            return FusedRMSNorm.apply(x, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-class FusedRMSNorm(torch.autograd.Function):
-    """RMSNorm.forward by the fused CPU kernel; saves x and the per-row 1/rms (fp32)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        y, rstd = cpu_kernels.kernels().rms_norm_forward(x, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        dx, dw = cpu_kernels.kernels().rms_norm_backward(dy.contiguous(), x, weight, rstd)
-        return dx, dw.to(weight.dtype), None
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, state dict and init) whose fp32 GEMMs on a CPU go through
-    oneDNN's matmul (OneDNNLinear) when cpu_kernels.onednn_linear_enabled() and the GEMM has at
-    least cpu_kernels.ONEDNN_MIN_MACS multiply-adds; everywhere else (GPUs, bf16, small GEMMs,
-    oneDNN off) it is F.linear."""
+    """nn.Linear (same parameters, state dict and init) whose GEMM is the kernel back end's
+    (F.linear, or oneDNN's matmul for large fp32 GEMMs on CPU ranks)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__(in_features, out_features, bias=bias)
+        self.kernels = kernels.backend()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and x.device.type == "cpu" and self.weight.dtype == torch.float32 and x.numel():
-            min_macs = cpu_kernels.onednn_min_macs()
-            if 0 <= min_macs <= x.numel() * self.out_features:
-                return OneDNNLinear.apply(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-
-class OneDNNLinear(torch.autograd.Function):
-    """F.linear by oneDNN in fp32: the output and the input gradient (dY W) by its matmul, the
-    weight gradient (dY^T X, a reduction over the tokens) by torch.mm, which measured as fast or
-    faster there (cpu_kernels.onednn_linear_enabled). Equal to F.linear up to float rounding
-    (tests/test_moe_kernels.py)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        x2 = x.reshape(-1, x.shape[-1])
-        ctx.save_for_backward(x2, weight)
-        ctx.shape, ctx.has_bias = x.shape, bias is not None
-        return cpu_kernels.onednn_linear(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = cpu_kernels.onednn_linear(dy2, weight.t()).view(ctx.shape) if ctx.needs_input_grad[0] else None
-        dw = dy2.t().mm(x2) if ctx.needs_input_grad[1] else None
-        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db
+        return self.kernels.linear(x, self.weight, self.bias)
 
 
 class SwiGLU(nn.Module):
@@ -95,34 +48,14 @@ class SwiGLU(nn.Module):
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.kernels = self.gate_proj.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
-    @staticmethod
-    def act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """silu(g) * u: the activation that selective recomputation re-runs (fused on CPU)."""
-        if g.shape == u.shape and cpu_kernels.ops_for(g, u) is not None:
-            return SiluMul.apply(g, u)
-        return F.silu(g) * u
-
-
-class SiluMul(torch.autograd.Function):
-    """silu(g) * u by the fused CPU kernel (cpu_kernels.py), fp32 maths rounded once; saves g and u
-    only (autograd's F.silu(g) * u also keeps silu(g))."""
-
-    @staticmethod
-    def forward(ctx, g, u):
-        g2, u2 = g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1])
-        ctx.save_for_backward(g2, u2)
-        ctx.shape = g.shape
-        return cpu_kernels.kernels().silu_mul_forward(g2, u2).view(g.shape)
-
-    @staticmethod
-    def backward(ctx, da):
-        g2, u2 = ctx.saved_tensors
-        dg, du = cpu_kernels.kernels().silu_mul_backward(da.reshape(g2.shape).contiguous(), g2, u2)
-        return dg.view(ctx.shape), du.view(ctx.shape)
+    def act(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """silu(g) * u: the activation that selective recomputation re-runs."""
+        return self.kernels.silu_mul(g, u)
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -227,138 +160,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return x * cos + rotate_half(x) * sin
 
 
-# Explicit-scores attention is used on CPUs up to this many score elements
-# (B x H x T x S): there the fused SDPA kernels are 2-4x slower in bf16.
-EXPLICIT_ATTENTION_MAX_SCORES = 1 << 28
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal softmax attention, (B, H, T, Dqk) x (B, H, S, Dqk) x (B, H, S, Dv) -> (B, H, T, Dv).
-
-    Query i attends to keys 0..i (SDPA's is_causal). On accelerators this is
-    torch's fused SDPA. On a CPU its flash kernel reaches ~70 GFLOP/s in bf16
-    (and MLA's v_head_dim != qk head dim sends it to the unfused math kernel),
-    while three batched GEMMs around one softmax reach ~10x that, so CPUs use
-    ExplicitCausalAttention while the saved probabilities fit the budget.
-    """
-    if q.device.type == "cpu" and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] <= EXPLICIT_ATTENTION_MAX_SCORES:
-        return ExplicitCausalAttention.apply(q, k, v, scale)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-
-
-_CAUSAL_MASKS: dict = {}
-
-
-def causal_mask(t: int, s: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(T, S) additive mask: 0 where query i may see key j (j <= i), -inf elsewhere. Cached."""
-    key = (t, s, dtype, device)
-    if key not in _CAUSAL_MASKS:
-        _CAUSAL_MASKS[key] = torch.full((t, s), float("-inf"), dtype=dtype, device=device).triu_(1)
-    return _CAUSAL_MASKS[key]
-
-
-# Query/key blocks of the fused causal path: the GEMMs skip the score tiles above the
-# diagonal blocks, (nb + 1) / (2 nb) of the full work for nb blocks. Smaller blocks skip more
-# but run smaller GEMMs; measured best on 2 cores at T = 256-1024: 128 rows in fp32, 256 in bf16
-# (bf16 GEMMs are ~5x faster, so per-block costs weigh more).
-CAUSAL_BLOCK_ROWS = {torch.float32: 128, torch.bfloat16: 256}
-# fp32 through the fused kernel (one task per batch x head, cpu_kernels.cpp): its GEMMs cost
-# little per call, so smaller blocks skip more of the masked tiles; measured on 2 cores.
-FUSED_CAUSAL_BLOCK_ROWS = 64
-
-
-def fused_attention_ops(q: torch.Tensor):
-    """The kernels when the fp32 attention kernel takes q's dtype and device (and found a BLAS)."""
-    if q.dtype != torch.float32 or q.device.type != "cpu":
-        return None
-    ops = cpu_kernels.kernels()
-    return ops if ops is not None and hasattr(ops, "has_blas") and ops.has_blas() else None
-
-
-def causal_blocks(t: int, block: int) -> list[tuple[int, int]]:
-    """[(r0, r1)] splitting t rows into ceil(t / block) near-equal blocks."""
-    nb = max(1, -(-t // block))
-    bounds = [t * i // nb for i in range(nb + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-class ExplicitCausalAttention(torch.autograd.Function):
-    """softmax(scale * q k^T + causal mask) v with the probabilities saved for backward.
-
-    Forward: one baddbmm (mask added in the GEMM), softmax, one bmm. Backward:
-    dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dP * P)), dQ = scale dS K,
-    dK = scale dS^T Q. The softmax runs in float32 inside its kernel whatever
-    the input dtype.
-
-    On a CPU (T == S, fp32 or bf16) the fused path splits queries and keys into
-    blocks of about CAUSAL_BLOCK_ROWS: every GEMM skips the tiles above the diagonal,
-    and the fused causal softmax (cpu_kernels.py) replaces the mask, the softmax
-    and the scaling of dQ and dK. Query block b keeps its probabilities against
-    keys [0, end of b); dK and dV sum the blocks' contributions in fp32. In fp32 one
-    kernel call does all of it (cpu_kernels.cpp: causal_attention_forward/backward),
-    a (batch, head) per task on one thread. Checked against
-    F.scaled_dot_product_attention in tests/test_models.py and against the
-    torch-op path in tests/test_cpu_kernels.py.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale):
-        b, h, t, d = q.shape
-        s = k.shape[2]
-        q3, k3, v3 = q.reshape(b * h, t, d), k.reshape(b * h, s, d), v.reshape(b * h, s, v.shape[-1])
-        # the fused path depends only on device and dtype (every tensor it touches is made here)
-        ops = cpu_kernels.ops_for(q3.new_empty(0)) if t == s and scale > 0 else None
-        whole = fused_attention_ops(q3) if ops is not None else None
-        ctx.scale, ctx.bh, ctx.fused, ctx.whole = scale, (b, h), ops is not None, whole
-        if whole is not None:
-            q3, k3, v3 = q3.contiguous(), k3.contiguous(), v3.contiguous()
-            out, probs = whole.causal_attention_forward(q3, k3, v3, scale, FUSED_CAUSAL_BLOCK_ROWS)
-            ctx.save_for_backward(q3, k3, v3, probs)
-            return out.view(b, h, t, v.shape[-1])
-        if ops is None:
-            scores = torch.baddbmm(causal_mask(t, s, q.dtype, q.device), q3, k3.transpose(1, 2), alpha=scale)
-            probs = torch.softmax(scores, dim=-1)
-            del scores
-            ctx.save_for_backward(q3, k3, v3, probs)
-            return torch.bmm(probs, v3).view(b, h, t, v.shape[-1])
-        out, probs = [], []
-        for r0, r1 in causal_blocks(t, CAUSAL_BLOCK_ROWS[q.dtype]):  # query block r0..r1 sees keys 0..r1
-            p = ops.causal_softmax_forward_(torch.bmm(q3[:, r0:r1], k3[:, :r1].transpose(1, 2)), scale, r0)
-            out.append(torch.bmm(p, v3[:, :r1]))
-            probs.append(p)
-        ctx.save_for_backward(q3, k3, v3, *probs)
-        return torch.cat(out, dim=1).view(b, h, t, v.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q3, k3, v3, *probs = ctx.saved_tensors
-        b, h = ctx.bh
-        g3 = grad_out.reshape(b * h, grad_out.shape[2], grad_out.shape[3])
-        if ctx.whole is not None:
-            dq, dk, dv = ctx.whole.causal_attention_backward(g3.contiguous(), q3, k3, v3, probs[0], ctx.scale,
-                                                             FUSED_CAUSAL_BLOCK_ROWS)
-        elif ctx.fused:
-            ops, t = cpu_kernels.kernels(), q3.shape[1]
-            blocks = causal_blocks(t, CAUSAL_BLOCK_ROWS[q3.dtype])
-            if len(blocks) == 1:
-                (p,) = probs
-                dv = torch.bmm(p.transpose(1, 2), g3)
-                ds = ops.causal_softmax_backward_(torch.bmm(g3, v3.transpose(1, 2)), p, ctx.scale, 0)
-                dq, dk = torch.bmm(ds, k3), torch.bmm(ds.transpose(1, 2), q3)
-            else:  # dK and dV sum over query blocks, in fp32 (in bf16 each block's GEMM rounds once)
-                dk, dv = k3.new_zeros(k3.shape, dtype=torch.float32), v3.new_zeros(v3.shape, dtype=torch.float32)
-                dq = []
-                for (r0, r1), p in zip(blocks, probs):
-                    g = g3[:, r0:r1]
-                    dv[:, :r1] += torch.bmm(p.transpose(1, 2), g)
-                    ds = ops.causal_softmax_backward_(torch.bmm(g, v3[:, :r1].transpose(1, 2)), p, ctx.scale, r0)
-                    dq.append(torch.bmm(ds, k3[:, :r1]))
-                    dk[:, :r1] += torch.bmm(ds.transpose(1, 2), q3[:, r0:r1])
-                dq, dk, dv = torch.cat(dq, dim=1), dk.to(k3.dtype), dv.to(v3.dtype)
-        else:
-            (probs,) = probs
-            dv = torch.bmm(probs.transpose(1, 2), g3)
-            dscores = torch._softmax_backward_data(torch.bmm(g3, v3.transpose(1, 2)), probs, -1, probs.dtype)
-            dq = torch.bmm(dscores, k3).mul_(ctx.scale)
-            dk = torch.bmm(dscores.transpose(1, 2), q3).mul_(ctx.scale)
-        return dq.view(b, h, *dq.shape[1:]), dk.view(b, h, *dk.shape[1:]), dv.view(b, h, *dv.shape[1:]), None
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     backend: Optional["kernels.Backend"] = None) -> torch.Tensor:
+    """Causal softmax attention: query i attends to keys 0..i.
+    (B, H, T, Dqk) x (B, Hkv, S, Dqk) x (B, Hkv, S, Dv) -> (B, H, T, Dv); Hkv divides H (grouped-query
+    attention: each k/v head serves H / Hkv query heads); Dv may differ from Dqk (MLA)."""
+    return (backend or kernels.backend()).causal_attention(q, k, v, scale)

@@ -8,17 +8,9 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import Linear, RMSNorm, SwiGLU, apply_rope, causal_attention
+from .. import kernels
+from .layers import Linear, RMSNorm, SwiGLU, apply_rope
 from .lm import CausalLM
-
-
-def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention, each k/v head serving Hq/Hkv query heads:
-    (B, Hq, T, D) x (B, Hkv, T, D) x (B, Hkv, T, D) -> (B, Hq, T, D)."""
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return causal_attention(q, k, v, scale)
 
 
 class GQA(nn.Module):
@@ -32,7 +24,9 @@ class GQA(nn.Module):
         self.k_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
         self.v_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=cfg.attention_bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, d, bias=cfg.attention_bias)
-        self.attention = gqa_attention  # swappable: context parallelism installs its own
+        # causal attention, each k/v head serving Hq/Hkv query heads:
+        # (B, Hq, T, D) x (B, Hkv, T, D) x (B, Hkv, T, D) -> (B, Hq, T, D); context parallelism swaps its own in
+        self.attention = kernels.backend().causal_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape

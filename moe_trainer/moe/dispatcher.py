@@ -14,14 +14,14 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from .. import cpu_kernels
+from .. import kernels
 
 
 @dataclass
 class Dispatched:
     x: torch.Tensor  # (M, d) token copies sorted by local expert
     gate: Optional[torch.Tensor]  # (M,) gate of each copy, or None when combine() applies it
-    counts: list[int]  # rows per local expert (host ints)
+    counts: torch.Tensor  # (local experts,) int64 rows per local expert, on the rows' device
     ctx: Any  # what combine() needs
     dropped: int = 0  # routed copies dropped by a capacity limit
     load: Optional[int] = None  # (token, expert) rows this rank's experts compute; None = every kept copy
@@ -30,18 +30,15 @@ class Dispatched:
     weights: Optional[dict] = None
 
 
-def sort_by_key(keys: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stable argsort of int64 keys in [0, n_keys) and their counts -> (order, counts (n_keys,)).
-    On a CPU one counting sort (cpu_kernels.py); elsewhere torch.argsort + torch.bincount."""
-    ops = cpu_kernels.ops_on_cpu(keys) if keys.dtype == torch.int64 and keys.dim() == 1 else None
-    if ops is not None:
-        return tuple(ops.counting_sort(keys, n_keys))
-    return torch.argsort(keys, stable=True), torch.bincount(keys, minlength=n_keys)
+def sort_by_key(keys: torch.Tensor, n_keys: int, backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable argsort of int64 keys in [0, n_keys) and their counts -> (order, counts (n_keys,)),
+    both on the keys' device, by the kernel back end (a counting sort on CPU ranks)."""
+    return (backend or kernels.backend()).sort_by_key(keys, n_keys)
 
 
-def sort_by_expert(topk_idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_by_expert(topk_idx: torch.Tensor, n_experts: int, backend=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One stable sort of the N*k assignments -> (order (N*k,), counts (E,))."""
-    return sort_by_key(topk_idx.reshape(-1).contiguous(), n_experts)
+    return sort_by_key(topk_idx.reshape(-1).contiguous(), n_experts, backend)
 
 
 def capacity_keep(sorted_expert: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -51,12 +48,13 @@ def capacity_keep(sorted_expert: torch.Tensor, counts: torch.Tensor, capacity: i
     return pos < capacity
 
 
-def route_order(topk_idx: torch.Tensor, n_experts: int, capacity_factor: Optional[float]
+def route_order(topk_idx: torch.Tensor, n_experts: int, capacity_factor: Optional[float], backend=None
                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Expert-sorted order of the routed copies, per-expert counts, and the number
-    of copies dropped by a capacity of ceil(cf * N * k / E) per expert (if set)."""
+    """Expert-sorted order of the routed copies, per-expert counts (on the device), and the number
+    of copies dropped by a capacity of ceil(cf * N * k / E) per expert (if set). Dropless, no host
+    sync; a capacity makes the kept copies' number data-dependent, and reading it is one."""
     n, k = topk_idx.shape
-    order, counts = sort_by_expert(topk_idx, n_experts)
+    order, counts = sort_by_expert(topk_idx, n_experts, backend)
     if capacity_factor is None:
         return order, counts, 0
     capacity = math.ceil(capacity_factor * n * k / n_experts)
@@ -139,18 +137,17 @@ class _LocalCtx:
 
 
 class LocalDispatcher:
-    """All experts on this rank: gather by a sort, combine by a gather-and-sum.
-    (The experts round their GEMM rows up themselves where the GEMM library needs it:
-    experts.row_quantum.)"""
+    """All experts on this rank: gather by a sort, combine by a gather-and-sum. The counts stay on
+    the device (the experts' grouped GEMMs take them as offsets): no host sync when dropless."""
 
     def __init__(self, n_experts: int, capacity_factor: Optional[float] = None):
         self.n_experts = n_experts
         self.capacity_factor = capacity_factor
+        self.kernels = kernels.backend()
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> Dispatched:
         n, k = topk_idx.shape
-        order, counts, dropped = route_order(topk_idx, self.n_experts, self.capacity_factor)
-        counts = counts.tolist()  # host sync
+        order, counts, dropped = route_order(topk_idx, self.n_experts, self.capacity_factor, self.kernels)
         m = order.numel()
         if m != n * k:  # copies were dropped: no inverse map, combine by index_add_
             token_of = order // k

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..kernels.accelerator import count_keys
 from ..models.layers import SwiGLU
 from . import balance
 from .dispatcher import LocalDispatcher
@@ -80,7 +81,7 @@ class MoE(nn.Module):
     @torch.no_grad()
     def _count(self, routing, dispatched) -> None:
         dropped = dispatched.dropped
-        self.tokens_per_expert += torch.bincount(routing.topk_idx.reshape(-1), minlength=self.n_experts).float()
+        self.tokens_per_expert += count_keys(routing.topk_idx, self.n_experts).float()
         s = self.stats
         if self.seq_aux_loss_alpha > 0:
             s[0] += self._last_seq.double()

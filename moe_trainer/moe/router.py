@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import cpu_kernels
+from .. import kernels
 
 
 @dataclass
@@ -36,13 +36,9 @@ def group_limited_mask(scores_for_choice: torch.Tensor, n_group: int, topk_group
     return group_mask.unsqueeze(-1).expand(n, n_group, e // n_group).reshape(n, e)
 
 
-def topk_indices(choice: torch.Tensor, k: int) -> torch.Tensor:
-    """(N, k) int64 indices of each row's k largest scores. On a CPU one insertion pass per row
-    (cpu_kernels.py: largest first, ties to the lower index); elsewhere torch.topk (unsorted)."""
-    ops = cpu_kernels.ops_on_cpu(choice) if choice.dtype == torch.float32 and choice.dim() == 2 else None
-    if ops is not None:
-        return ops.topk_rows(choice, k)
-    return choice.topk(k, dim=-1, sorted=False).indices
+def topk_indices(choice: torch.Tensor, k: int, backend=None) -> torch.Tensor:
+    """(N, k) int64 indices of each row's k largest scores, by the kernel back end (unsorted)."""
+    return (backend or kernels.backend()).topk(choice, k)
 
 
 class Fp32Logits(torch.autograd.Function):
@@ -81,6 +77,7 @@ class Router(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.routed_scaling_factor = routed_scaling_factor
         self.scoring_func = scoring_func
+        self.kernels = kernels.backend()
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x (N, d) -> Routing. Computed in fp32 whatever the model dtype."""
@@ -89,7 +86,7 @@ class Router(nn.Module):
         choice = scores.detach() + self.e_score_correction_bias  # bias: selection only
         if self.n_group > 1 and self.topk_group < self.n_group:
             choice = choice.masked_fill(~group_limited_mask(choice, self.n_group, self.topk_group), float("-inf"))
-        topk_idx = topk_indices(choice, self.top_k)
+        topk_idx = topk_indices(choice, self.top_k, self.kernels)
         weight = scores.gather(1, topk_idx)
         if self.norm_topk_prob:  # also for top_k == 1, as DeepSeek-V3 and Hugging Face do
             weight = weight / (weight.sum(-1, keepdim=True) + 1e-20)

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .shm_alltoall import RING_BYTES, ShmAllToAll
+from ..kernels.cpu.shm_alltoall import RING_BYTES, ShmAllToAll
 
 
 class CommCounter:
@@ -235,7 +235,7 @@ def _all_gather(x: torch.Tensor, dim: int, group, counter, kind) -> torch.Tensor
     g = dist.get_world_size(group)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((g * x.shape[0],) + tuple(x.shape[1:]))
-    dist.all_gather_single(out, x, group=group)  # rank r's shard lands at rows [r*n, (r+1)*n)
+    dist.all_gather_into_tensor(out, x, group=group)  # rank r's shard lands at rows [r*n, (r+1)*n)
     _count(counter, kind, (g - 1) * _nbytes(x))
     return out.movedim(0, dim)
 
@@ -246,7 +246,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group, counter, kind) -> torch.Te
         raise ValueError(f"reduce-scatter needs dimension {dim} ({x.shape[dim]}) divisible by the group size ({g}).")
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // g,) + tuple(x.shape[1:]))
-    dist.reduce_scatter_single(out, x, group=group)
+    dist.reduce_scatter_tensor(out, x, group=group)
     _count(counter, kind, (g - 1) * _nbytes(out))
     return out.movedim(0, dim)
 

@@ -21,13 +21,12 @@ What the trainer does with cp > 1 (cp_shard_indices / shard_sequence are pure):
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from .comm import CommCounter, all_gather_along_dim, all_reduce_tensor
 from .mesh import Mesh
 
@@ -47,7 +46,6 @@ def shard_sequence(tensor: torch.Tensor, cp: int, rank: int, dim: int = 1) -> to
     return tensor.index_select(dim, index)
 
 
-@functools.lru_cache(maxsize=8)
 def cp_causal_mask(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """Pure: (T/cp, T) bool, True where a local query may attend a gathered key.
     Gathered keys are in cp-rank order, each rank's two chunks in turn."""
@@ -57,20 +55,25 @@ def cp_causal_mask(seq_len: int, cp: int, rank: int) -> torch.Tensor:
 
 
 class ContextParallelAttention:
-    """Drop-in for llama3's `gqa_attention`: (B, Hq, T/cp, D) x (B, Hkv, T/cp, D) x (B, Hkv, T/cp, D)
-    -> (B, Hq, T/cp, D), attending over the whole sequence's keys."""
+    """Drop-in for llama3's causal attention: (B, Hq, T/cp, D) x (B, Hkv, T/cp, D) x (B, Hkv, T/cp, D)
+    -> (B, Hq, T/cp, D), attending over the whole sequence's keys. The mask is built once per
+    sequence length and device, on that device (every layer and step reuses it)."""
 
     def __init__(self, group, cp: int, rank: int, counter: Optional[CommCounter] = None):
         self.group, self.cp, self.rank, self.counter = group, cp, rank, counter
+        self.kernels = kernels.backend()
+        self._masks: dict = {}
+
+    def mask(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        key = (seq_len, device)
+        if key not in self._masks:
+            self._masks[key] = cp_causal_mask(seq_len, self.cp, self.rank).to(device)
+        return self._masks[key]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         k = all_gather_along_dim(k, 2, self.group, self.counter, "cp")  # (B, Hkv, T, D)
         v = all_gather_along_dim(v, 2, self.group, self.counter, "cp")
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        mask = cp_causal_mask(k.shape[2], self.cp, self.rank).to(q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return self.kernels.attention(q, k, v, self.mask(k.shape[2], q.device), scale)
 
 
 def apply_context_parallel(model: nn.Module, mesh: Mesh, counter: Optional[CommCounter] = None) -> nn.Module:

@@ -43,9 +43,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from .. import kernels
+from ..kernels.accelerator import count_keys
 from ..moe.dispatcher import (CombineRows, Dispatched, GatherRows, inverse_permutation, route_order, rows_by_token,
                               sort_by_key)
 from ..moe.experts import Experts
@@ -110,6 +111,7 @@ class AllToAllDispatcher:
         self.capacity_factor = capacity_factor
         self.counter = counter
         self.dedup = dedup
+        self.kernels = kernels.backend()
         if placement is not None and experts is None:
             raise ValueError("a placement needs the experts module whose weights it replicates")
 
@@ -128,7 +130,7 @@ class AllToAllDispatcher:
         t0 = time.perf_counter()
         all_to_all_single(recv, counts, group=self.group)
         send_counts, recv = counts.view(self.ep, self.n_local), recv.view(self.ep, self.n_local)
-        in_splits, out_splits = send_counts.sum(1).tolist(), recv.sum(1).tolist()  # host sync
+        in_splits, out_splits = self._splits(send_counts.sum(1), recv.sum(1))
         self._time("dispatch_counts", t0)
         # 2. send token copies (rows are destination-sorted, so each rank's rows are contiguous);
         # gathers whose backward is a gather too (GatherRows), not an accumulating scatter
@@ -139,23 +141,31 @@ class AllToAllDispatcher:
         received, _, weights = self._send(GatherRows.apply(x, token_of, by_row, k), out_splits, in_splits)
         # 3. regroup received rows (source-major) into local-expert-major order
         local_expert = torch.repeat_interleave(torch.arange(self.n_local, device=x.device).repeat(self.ep),
-                                               recv.reshape(-1))
-        regroup, _ = sort_by_key(local_expert, self.n_local)
+                                               recv.reshape(-1), output_size=sum(out_splits))
+        regroup, _ = sort_by_key(local_expert, self.n_local, self.kernels)
         unsort = inverse_permutation(regroup)
         gate = GatherRows.apply(topk_weight.reshape(-1), order, inverse, 1)
         ctx = _A2ACtx(token_of, gate, in_splits, out_splits, unsort, n, regroup, by_row, k)
-        return Dispatched(GatherRows.apply(received, regroup, unsort, 1), None, recv.sum(0).tolist(), ctx,
+        return Dispatched(GatherRows.apply(received, regroup, unsort, 1), None, recv.sum(0), ctx,
                           dropped, load=sum(out_splits), weights=weights)
+
+    @staticmethod
+    def _splits(*per_rank: torch.Tensor) -> list[list[int]]:
+        """The all-to-all split sizes on the host: THE host sync of an expert-parallel MoE layer,
+        one device-to-host copy of every (ep,) count vector given, per micro-batch."""
+        ep = per_rank[0].numel()
+        flat = torch.cat(per_rank).tolist()  # host sync (the only one of the layer)
+        return [flat[i * ep:(i + 1) * ep] for i in range(len(per_rank))]
 
     def _route(self, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Destination-sorted order of the kept routed copies, rows per destination (expert, or
         physical slot under a plan), copies dropped. A capacity applies per logical expert, as
         without a plan."""
-        order, counts, dropped = route_order(topk_idx, self.n_experts, self.capacity_factor)
+        order, counts, dropped = route_order(topk_idx, self.n_experts, self.capacity_factor, self.kernels)
         if self.placement is None:
             return order, counts, dropped
         slot = self.placement.slots(topk_idx.reshape(-1))[order]
-        resort, counts = sort_by_key(slot.contiguous(), self.ep * self.n_local)
+        resort, counts = sort_by_key(slot.contiguous(), self.ep * self.n_local, self.kernels)
         return order[resort], counts, dropped
 
     def _send(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
@@ -211,7 +221,7 @@ class AllToAllDispatcher:
         idx = topk_idx
         dropped = 0
         if self.capacity_factor is not None:  # a capacity, if set, applies per source rank, to copies
-            order, _, dropped = route_order(topk_idx, self.n_experts, self.capacity_factor)
+            order, _, dropped = route_order(topk_idx, self.n_experts, self.capacity_factor, self.kernels)
             kept = torch.zeros(n * k, dtype=torch.bool, device=x.device)
             kept[order] = True
             idx = torch.where(kept.view(n, k), topk_idx, torch.full_like(topk_idx, -1))
@@ -223,32 +233,38 @@ class AllToAllDispatcher:
         hit = torch.zeros(n, ep + 1, dtype=torch.bool, device=x.device)
         hit.scatter_(1, dest, True)
         hit = hit[:, :ep]
-        dst_of, tokens = hit.t().nonzero(as_tuple=True)  # grouped by destination rank, token order within
-        send_counts = hit.sum(0)
+        # rows (tokens) and (token, expert) pairs for each rank, exchanged in one all-to-all of 2 * ep ints
+        send = torch.stack([hit.sum(0), count_keys(dest, ep + 1)[:ep]], 1)  # (ep, 2)
+        recv = torch.empty_like(send)
+        t0 = time.perf_counter()
+        all_to_all_single(recv, send, group=self.group)
+        in_splits, out_splits, recv_pairs = self._splits(send[:, 0], recv[:, 0], recv[:, 1])
+        self._time("dispatch_counts", t0)
+        # the sent rows, grouped by destination rank, token order within: the first sum(in_splits)
+        # hits in (rank, token) order (a stable sort instead of nonzero, whose size needs a sync)
+        flat_hit = hit.t().reshape(-1)
+        sent = torch.argsort((~flat_hit).to(torch.uint8), stable=True)[:sum(in_splits)]
+        dst_of, tokens = sent // n, sent % n
         # metadata per sent row: the token's k slots as (gate, local expert id or -1 when elsewhere)
         here = dest[tokens] == dst_of[:, None]  # (S, k)
         local_id = torch.where(here, idx[tokens] - dst_of[:, None] * n_local, torch.full_like(idx[tokens], -1))
         gate = topk_weight[tokens] * here.to(topk_weight.dtype)
         meta = torch.cat([gate.float(), local_id.float()], 1)  # ids < 2**24 are exact in fp32
-        recv_counts = torch.empty_like(send_counts)
-        t0 = time.perf_counter()
-        all_to_all_single(recv_counts, send_counts, group=self.group)
-        in_splits, out_splits = send_counts.tolist(), recv_counts.tolist()  # host sync
-        self._time("dispatch_counts", t0)
         # (GatherRows: index_select forward, index_add_ backward; a tensor index's backward is an
         # accumulating index_put, 15-25x slower on a CPU)
         received, rmeta, weights = self._send(GatherRows.apply(x, tokens, None, 1), out_splits, in_splits, meta)
         # expand: one (received row, local expert) pair per slot that names a local expert, expert-major
         r_gate, r_id = rmeta[:, :k], rmeta[:, k:].detach().long()
-        pair_row, slot = (r_id >= 0).nonzero(as_tuple=True)
+        n_pairs = sum(recv_pairs)
+        pairs = torch.argsort((r_id < 0).reshape(-1).to(torch.uint8), stable=True)[:n_pairs]
+        pair_row, slot = pairs // k, pairs % k
         pair_expert = r_id[pair_row, slot]
-        sort, counts = sort_by_key(pair_expert.contiguous(), n_local)
-        pair_row, slot, pair_expert = pair_row[sort], slot[sort], pair_expert[sort]
-        counts = counts.tolist()  # host sync
+        sort, counts = sort_by_key(pair_expert.contiguous(), n_local, self.kernels)
+        pair_row, slot = pair_row[sort], slot[sort]
         ctx = _DedupCtx(tokens, pair_row, in_splits, out_splits, received.shape[0], n)
         rows = GatherRows.apply(received, pair_row, None, 1)
         gates = GatherRows.apply(r_gate.reshape(-1), pair_row * k + slot, None, 1)
-        return Dispatched(rows, gates, counts, ctx, dropped, load=pair_row.numel(), weights=weights)
+        return Dispatched(rows, gates, counts, ctx, dropped, load=n_pairs, weights=weights)
 
 
 def _deepspeed_moe_marker(num_experts: int, ep_size: int, group_name: str, mesh: Mesh) -> nn.Module:
@@ -272,14 +288,10 @@ def _deepspeed_moe_marker(num_experts: int, ep_size: int, group_name: str, mesh:
 def register_deepspeed_groups(mesh: Mesh, group_name: str) -> None:
     """Tell DeepSpeed's group registry the mesh's EP and expert-DP groups."""
     from deepspeed.utils import groups
-    groups._EXPERT_PARALLEL_GROUP[group_name] = mesh.group("ep") or dist.new_group([mesh.rank])
-    groups._EXPERT_DATA_PARALLEL_GROUP[group_name] = mesh.group("edp") or _self_group(mesh)
+    groups._EXPERT_PARALLEL_GROUP[group_name] = mesh.group_or_self("ep")
+    groups._EXPERT_DATA_PARALLEL_GROUP[group_name] = mesh.group_or_self("edp")
     groups._EXPERT_PARALLEL_GROUP_RANKS[group_name] = mesh.members["ep"]
     groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[group_name] = mesh.members["edp"]
-
-
-def _self_group(mesh: Mesh):
-    return dist.new_group([mesh.rank])
 
 
 def shard_experts(layer: MoE, ep_rank: int, ep: int) -> None:

@@ -104,14 +104,17 @@ class Mesh:
 
 
 def build_mesh(layout: Layout, rank: int, distributed: bool = True) -> Mesh:
-    """Create every process group (all ranks call new_group in the same order)."""
+    """Create every process group of more than one rank. NCCL's rule for new_group: every rank
+    calls it for every group, members or not, in the same order with the same ranks; the lists
+    and their order come from the layout alone, so they are the same on every rank. Groups of one
+    rank are not created (a kind's groups all have the layout's degree for that kind)."""
     mesh = Mesh(layout, rank, coords(rank, layout))
     for kind, lists in group_ranks(layout).items():
         for ranks in lists:
-            pg = dist.new_group(ranks) if distributed and layout.world > 1 else None
+            pg = dist.new_group(ranks) if distributed and len(ranks) > 1 else None
             if rank in ranks:
                 mesh.members[kind] = ranks
-                mesh.groups[kind] = pg if len(ranks) > 1 else None
+                mesh.groups[kind] = pg
     return mesh
 
 
@@ -174,8 +177,10 @@ _SINGLE: dict = {}
 
 
 def _single_group(rank: int):
-    """A one-rank group for APIs that want a group object even when a degree is 1
-    (local synchronisation: only its member takes part in creating it)."""
+    """A one-rank group for DeepSpeed's APIs, which want a group object even when a degree is 1.
+    Local synchronisation: only its member takes part in creating it (no other rank calls
+    new_group for it, so ranks never disagree on the groups they create together); made once
+    per process, whatever the number of degrees that are 1."""
     if rank not in _SINGLE:
         _SINGLE[rank] = dist.new_group([rank], use_local_synchronization=True)
     return _SINGLE[rank]

@@ -1,18 +1,19 @@
 """The fused CPU kernels (csrc/cpu_kernels.cpp), built on first use and cached.
 
-- SwiGLU: used by the routed experts (moe/experts.py) and by every dense SwiGLU
-  (models/layers.py: Llama's and DeepSeek's dense FFNs, the shared experts).
-- Causal softmax: used by the explicit CPU attention (models/layers.py).
-- RMSNorm: used by every norm of both models (models/layers.py).
-- Routing: a row-wise top-k (moe/router.py) and a stable counting sort of expert ids
-  (moe/dispatcher.py, parallel/expert.py).
+- SwiGLU: the routed experts (experts.py) and every dense SwiGLU (layers.py: Llama's and
+  DeepSeek's dense FFNs, the shared experts).
+- Causal softmax and fp32 causal attention: the explicit CPU attention (layers.py).
+- RMSNorm: every norm of both models (layers.py).
+- Routing: a row-wise top-k and a stable counting sort of expert ids (the back end's topk and
+  sort_by_key, __init__.py).
+- The shared-memory all-to-all (shm_alltoall.py).
 The float kernels run when their tensors are on a CPU in fp32 or bf16.
 
 Like DeepSpeed's CPU ops, it is compiled once per machine (~20 s, g++ and ninja via
 torch.utils.cpp_extension) into MOE_TRAINER_KERNEL_DIR (default
 ~/.cache/moe_trainer/kernels), in a directory named by the source, torch version and
 CPU so that an edit, an upgrade or another machine type builds its own copy; later
-processes load it in milliseconds. `python -m moe_trainer.cpu_kernels` builds it
+processes load it in milliseconds. `python -m moe_trainer.kernels.cpu.extension` builds it
 ahead of a job. MOE_TRAINER_CPU_KERNELS=0 turns it off; if the build fails, the
 torch-op paths run instead, after one warning.
 """

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import cpu_kernels
+from . import extension as cpu_kernels
 
 # Bytes per ring (one per destination rank in each rank's file): MoE exchanges of a few MB stream
 # through in a few passes, and a world of 8 ranks maps 8 x 8 x 4 MB = 256 MB of /dev/shm.
