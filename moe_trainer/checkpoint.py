@@ -65,7 +65,7 @@ def link_optimizer_state(engine) -> None:
     for flat in zero.single_partition_of_fp32_groups:
         st = zero.optimizer.state[flat]
         if "exp_avg" not in st:
-            st["step"] = torch.tensor(0.0)
+            st["step"] = torch.tensor(0.0, device=flat.device)  # fused AdamW keeps it on the parameter's device
             st["exp_avg"] = torch.zeros_like(flat)
             st["exp_avg_sq"] = torch.zeros_like(flat)
     zero._hp_optimizer_states_linked = False
@@ -328,7 +328,8 @@ def load(path: Path, trainer) -> int:
                         safe_set_full_optimizer_state(target, moment, key)
         for st in trainer.engine.optimizer.optimizer.state.values():
             if "step" in st:
-                st["step"] = (torch.tensor(float(state["adam_step"]), dtype=st["step"].dtype)
+                st["step"] = (torch.tensor(float(state["adam_step"]), dtype=st["step"].dtype,
+                                           device=st["step"].device)
                               if torch.is_tensor(st["step"]) else state["adam_step"])
     if "noise_scale" in state:
         trainer.noise.load_state_dict(state["noise_scale"])

@@ -92,7 +92,7 @@ class TrainConfig:
     beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
-    dtype: str = "fp32"  # fp32 | bf16
+    dtype: str = "auto"  # auto (bf16 on accelerators, fp32 on CPU ranks) | fp32 | bf16
     checkpoint_every: int = 100  # 0 = only at the end
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | none | <checkpoint path>
@@ -169,7 +169,7 @@ CHOICES = {
     "model.hidden_act": ("silu",),
     "model.scoring_func": ("sigmoid", "softmax"),
     "model.moe_impl": ("grouped", "loop"),
-    "train.dtype": ("fp32", "bf16"),
+    "train.dtype": ("auto", "fp32", "bf16"),
     "parallel.recompute": ("none", "selective", "full"),
     "parallel.schedule": ("1f1b", "gpipe"),
     "parallel.cpu_alltoall": ("shm", "gloo"),

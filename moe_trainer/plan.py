@@ -71,7 +71,7 @@ PRECISIONS = {
 def precision_for(name: Optional[str], train_dtype: str) -> Precision:
     """The named recipe; by default what the trainer's DeepSpeed ZeRO-1 engine holds: `mixed` for
     train.dtype bf16 and `fp32_master` for fp32."""
-    name = name or ("mixed" if train_dtype == "bf16" else "fp32_master")
+    name = name or ("fp32_master" if train_dtype == "fp32" else "mixed")  # auto: bf16 on the GPUs planned for
     if name not in PRECISIONS:
         raise PlanError(f"--precision must be one of {', '.join(PRECISIONS)}, got {name!r}.")
     return PRECISIONS[name]

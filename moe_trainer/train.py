@@ -44,6 +44,16 @@ def _set_threads(device_type: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
+def resolve_device_settings(cfg, device) -> None:
+    """train.dtype auto -> bf16 on accelerators, fp32 on CPU ranks (the run directory's config.yaml
+    records the value used); fp32 matmuls on CUDA run as TF32."""
+    import torch
+    if cfg.train.dtype == "auto":
+        cfg.train.dtype = "fp32" if device.type == "cpu" else "bf16"
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 tensor cores for fp32 GEMMs
+
+
 def make_trainer(cfg, layout):
     """This rank's Trainer, the process set up as a launched rank: device, threads, allocator,
     kernels and the process group (the launcher's environment, or _single_process_env's)."""
@@ -60,6 +70,7 @@ def make_trainer(cfg, layout):
     accel.set_device(local_rank)
     device = torch.device(accel.device_name(local_rank))
     _set_threads(device.type)
+    resolve_device_settings(cfg, device)
     backend = kernels.select(device)  # before the model is built: its modules keep this choice
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"kernels: {backend.name} ({kernels.ENV}={os.environ.get(kernels.ENV, 'auto')}, device {device.type})",

@@ -84,6 +84,25 @@ class StepTimes:
         return {f"time.{k}_s": v for k, v in self.__dict__.items()}
 
 
+class StepClock:
+    """Phase boundaries of a step without a host sync. On CUDA a mark is an event recorded on the
+    current stream (the host clock would time kernel launches, not kernels), read once the step's
+    one sync (the loss reduction) has passed; elsewhere the host clock."""
+
+    def __init__(self, device: torch.device):
+        self.events = device.type == "cuda"
+
+    def mark(self):
+        if not self.events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.events else b - a
+
+
 class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, device: torch.device):
         self.cfg, self.mesh, self.device = cfg, mesh, device
@@ -128,6 +147,7 @@ class Trainer:
         self.peak, self.peak_source = peak_tflops(cfg.metrics.peak_tflops, self.dtype, device)
         self._load_interval = torch.zeros(len(self.moe_layer_ids), cfg.model.n_routed_experts)
         self._rank_load_interval = torch.zeros(len(self.moe_layer_ids), self.layout.ep)  # rows per EP rank
+        self.clock = StepClock(device)
         self._stopping = False
         self._term = False
         self._nan_skips = 0
@@ -240,7 +260,9 @@ class Trainer:
         t = self.cfg.train
         source = source or self.train_data
         batch = source.micro_batch(self.step if step is None else step, micro, t.global_batch_size,
-                                   t.micro_batch_size, self.mesh.dp_rank, self.layout.dp).to(self.device)
+                                   t.micro_batch_size, self.mesh.dp_rank, self.layout.dp)
+        if self.device.type != "cpu":  # page-locked, so the copy runs asynchronously to the host
+            batch = batch.pin_memory().to(self.device, non_blocking=True)
         inputs, labels = batch[:, :-1], batch[:, 1:]
         positions = torch.arange(t.seq_len, device=self.device)
         if self.layout.cp > 1:
@@ -263,27 +285,30 @@ class Trainer:
         if self.pipelined:
             return self.pipeline_step()
         t0 = time.perf_counter()
-        times = StepTimes()
         sums: dict[str, torch.Tensor] = {}
+        marks = []  # per micro-batch: (start, data, forward, backward, optimizer) clock marks
         for micro in range(self.layout.grad_accum):
-            ta = time.perf_counter()
+            ta = self.clock.mark()
             inputs, labels, positions = self.micro_batch(micro)
-            tb = time.perf_counter()
+            tb = self.clock.mark()
             out = self.engine(inputs, labels, positions)
             if self._poisoned():
                 out.loss, out.losses["lm"] = out.loss * float("nan"), out.losses["lm"] * float("nan")
-            tc = time.perf_counter()
+            tc = self.clock.mark()
             self.engine.backward(out.loss)
-            td = time.perf_counter()
+            td = self.clock.mark()
             self.engine.step()  # the optimizer step happens at the accumulation boundary
-            te = time.perf_counter()
-            times.data += tb - ta
-            times.forward += tc - tb
-            times.backward += td - tc
-            times.optimizer += te - td
+            marks.append((ta, tb, tc, td, self.clock.mark()))
             for k, v in out.losses.items():
                 sums[k] = sums.get(k, 0.0) + v.float()
-        return self.finish_step(sums, times, t0)
+        record = self.finish_step(sums, StepTimes(), t0)  # ends in a host sync: every mark is done now
+        times = record["times"]
+        for ta, tb, tc, td, te in marks:
+            times.data += self.clock.seconds(ta, tb)
+            times.forward += self.clock.seconds(tb, tc)
+            times.backward += self.clock.seconds(tc, td)
+            times.optimizer += self.clock.seconds(td, te)
+        return record
 
     def _poisoned(self) -> bool:
         steps = self.cfg.debug.inject_nan_steps
@@ -294,7 +319,7 @@ class Trainer:
         skipped = not all(math.isfinite(v) for v in losses.values())
         self.update_noise_scale(skipped)
         expert = self.update_expert_bias(apply=not skipped)
-        step_time = time.perf_counter() - t0
+        step_time = time.perf_counter() - t0  # after reduce_losses' host sync: the step's kernels are done
         return {"losses": losses, "times": times, "step_time": step_time, "expert": expert,
                 "comm": self.comm.reset(), "skipped": skipped}
 
@@ -343,8 +368,8 @@ class Trainer:
         """Loss components summed over pipeline stages (each stage adds what it
         computed: the last stage the LM and MTP losses, every stage its MoE aux
         losses), then averaged over data-parallel ranks."""
-        vec = torch.stack([torch.as_tensor(values.get(k, 0.0), dtype=torch.float32).detach().reshape(())
-                           for k in self.loss_keys]).to(self.device)
+        vec = torch.stack([torch.as_tensor(values.get(k, 0.0), dtype=torch.float32, device=self.device).detach()
+                           .reshape(()) for k in self.loss_keys])
         if self.mesh.group("pp") is not None:
             all_reduce_small(vec, self.mesh.group("pp"))
         if self.mesh.group("dpcp") is not None:  # cp ranks hold equal shards: their mean is the mean

@@ -777,9 +777,11 @@ def pick_replicas(expert: Tensor, cand: Tensor, count: Tensor, offset: int = 0) 
     """
     order = torch.argsort(expert, stable=True)
     sorted_e = expert[order]
-    per_expert = torch.bincount(expert, minlength=cand.shape[0])
+    # per-expert counts by scatter_add: bincount would read its maximum on the host
+    per_expert = torch.zeros(cand.shape[0], dtype=torch.int64, device=expert.device).scatter_add_(
+        0, expert, torch.ones_like(expert))
     pos = torch.arange(expert.numel(), device=expert.device) - (per_expert.cumsum(0) - per_expert)[sorted_e]
-    c = count.to(expert.device)[sorted_e]
+    c = count.to(expert.device)[sorted_e]  # (cand and count are on expert's device already at run time)
     slot = torch.empty_like(expert)
     slot[order] = cand.to(expert.device)[sorted_e, (pos + offset) % c]
     return slot

@@ -31,18 +31,19 @@ from .comm import CommCounter, all_gather_along_dim, all_reduce_tensor
 from .mesh import Mesh
 
 
-def cp_shard_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+def cp_shard_indices(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """Pure: the global positions (T/cp,) that cp rank `rank` holds: chunks rank and 2cp-1-rank."""
     if seq_len % (2 * cp):
         raise ValueError(f"the sequence length ({seq_len}) must be divisible by 2 * cp ({2 * cp}).")
     chunk = seq_len // (2 * cp)
     first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
-    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+    return torch.cat([torch.arange(first, first + chunk, device=device),
+                      torch.arange(second, second + chunk, device=device)])
 
 
 def shard_sequence(tensor: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
     """Pure: this cp rank's part of `tensor` along its sequence dimension `dim`."""
-    index = cp_shard_indices(tensor.shape[dim], cp, rank).to(tensor.device)
+    index = cp_shard_indices(tensor.shape[dim], cp, rank, tensor.device)
     return tensor.index_select(dim, index)
 
 

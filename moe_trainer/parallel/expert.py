@@ -190,7 +190,7 @@ class AllToAllDispatcher:
     def _weight_rows(self) -> torch.Tensor:
         """(sent experts, 3 * H * d): this rank's experts that other ranks' slots need, destination-major."""
         w1, w2 = self.experts.gate_up_proj, self.experts.down_proj
-        idx = self.placement.send_index.to(w1.device)
+        idx = self.placement.on(w1.device).send_index
         return torch.cat([w1[idx].flatten(1), w2[idx].flatten(1)], 1)
 
     def _slot_weights(self, received: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -200,7 +200,7 @@ class AllToAllDispatcher:
         m, split = received.shape[0], w1[0].numel()
         r1 = received[:, :split].reshape((m,) + tuple(w1.shape[1:]))
         r2 = received[:, split:].reshape((m,) + tuple(w2.shape[1:]))
-        idx = self.placement.slot_index.to(w1.device)
+        idx = self.placement.on(w1.device).slot_index
         return {"gate_up_proj": torch.cat([w1, r1])[idx], "down_proj": torch.cat([w2, r2])[idx]}
 
     def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:

@@ -15,6 +15,7 @@ weights of its slots' foreign experts every forward.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,7 +86,19 @@ class LayerPlacement:
 
     def slots(self, expert: torch.Tensor) -> torch.Tensor:
         """(M,) logical expert of each routed copy (in token order) -> its physical slot."""
-        return pick_replicas(expert, self.cand, self.cand_count, offset=self.rank)
+        p = self.on(expert.device)
+        return pick_replicas(expert, p.cand, p.cand_count, offset=self.rank)
+
+    def on(self, device: torch.device) -> "LayerPlacement":
+        """This placement with its index tensors on `device`, copied there once (not every step)."""
+        if self.phy2log.device == device:
+            return self
+        cache = self.__dict__.setdefault("_on_device", {})
+        if device not in cache:
+            cache[device] = dataclasses.replace(
+                self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                         if isinstance(getattr(self, f.name), torch.Tensor)})
+        return cache[device]
 
 
 def _fetch_plan(row: list[int], n_local: int, ep: int, rank: int, per_rank: int):

@@ -11,7 +11,7 @@ The float kernels run when their tensors are on a CPU in fp32 or bf16.
 
 Like DeepSpeed's CPU ops, it is compiled once per machine (~20 s, g++ and ninja via
 torch.utils.cpp_extension) into MOE_TRAINER_KERNEL_DIR (default
-~/.cache/moe_trainer/kernels), in a directory named by the source, torch version and
+~/.cache/moe_trainer/kernels), in a directory named by the source (its text and path), torch version and
 CPU so that an edit, an upgrade or another machine type builds its own copy; later
 processes load it in milliseconds. `python -m moe_trainer.kernels.cpu.extension` builds it
 ahead of a job. MOE_TRAINER_CPU_KERNELS=0 turns it off; if the build fails, the
@@ -44,7 +44,10 @@ def _cpu_signature() -> str:
 
 
 def build_dir() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_signature().encode()).hexdigest()
+    # the source's path too: torch's JIT build records it, so two checkouts sharing one directory
+    # would rebuild it for each other in turn
+    key = hashlib.sha256(SOURCE.read_bytes() + str(SOURCE).encode() + torch.__version__.encode()
+                         + _cpu_signature().encode()).hexdigest()
     root = os.environ.get("MOE_TRAINER_KERNEL_DIR") or Path.home() / ".cache" / "moe_trainer" / "kernels"
     return Path(root) / f"cpu_kernels_{key[:16]}"
 
