@@ -54,19 +54,33 @@ def resolve_device_settings(cfg, device) -> None:
         torch.set_float32_matmul_precision("high")  # TF32 tensor cores for fp32 GEMMs
 
 
+def check_gpus(ds_accelerator: str, local_rank: int, rank: int) -> None:
+    """One sentence (ConfigError) instead of a crash deep in DeepSpeed or NCCL: CUDA asked for
+    (DS_ACCELERATOR=cuda) where torch sees no GPU, or more ranks on this node than it has GPUs."""
+    import torch
+    if ds_accelerator == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"rank {rank}: DS_ACCELERATOR=cuda asks for CUDA, but torch {torch.__version__} sees no "
+                          f"GPU here (torch.cuda.is_available() is False); unset it to train on CPU ranks.")
+    if torch.cuda.is_available() and ds_accelerator in ("", "cuda") and local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"rank {rank} is local rank {local_rank} of its node, which has "
+                          f"{torch.cuda.device_count()} GPU(s): launch at most that many processes per node "
+                          f"(deepspeed --num_gpus / torchrun --nproc-per-node).")
+
+
 def make_trainer(cfg, layout):
     """This rank's Trainer, the process set up as a launched rank: device, threads, allocator,
     kernels and the process group (the launcher's environment, or _single_process_env's)."""
     import torch
-    from deepspeed.accelerator import get_accelerator
 
     from . import kernels
     from .parallel.launch import init_distributed
     from .parallel.mesh import build_mesh
     from .trainer import Trainer
 
-    accel = get_accelerator()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    check_gpus(os.environ.get("DS_ACCELERATOR", ""), local_rank, int(os.environ.get("RANK", 0)))
+    from deepspeed.accelerator import get_accelerator
+    accel = get_accelerator()
     accel.set_device(local_rank)
     device = torch.device(accel.device_name(local_rank))
     _set_threads(device.type)
@@ -95,6 +109,8 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from torch.distributed import DistError
+
     from .kernels import KernelConfigError
     from .parallel.launch import shutdown_distributed
     from .trainer import TrainingHalted
@@ -109,6 +125,11 @@ def main(argv=None) -> int:
     except TrainingHalted as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 3
+    except DistError as e:  # a collective timed out (NCCL's watchdog, gloo's timeout) or a peer went away
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: rank {rank}: a collective failed ({first[:300]}); a peer rank died or waited longer "
+              f"than parallel.timeout_s={cfg.parallel.timeout_s} s.", file=sys.stderr, flush=True)
+        return 4
     shutdown_distributed()
     if rank == 0:
         print(f"run directory: {os.path.abspath(cfg.run.out_dir)}")

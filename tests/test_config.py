@@ -110,3 +110,36 @@ def test_cli_reports_config_error_without_traceback():
     assert proc.returncode == 2
     assert "model.arch must be one of deepseek_v3, llama3" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("config, worlds", [
+    ("moe_tiny.yaml", [1, 2, 4, 8]), ("llama3_tiny.yaml", [1, 2, 4, 8]),  # ./scripts/train.sh on any GPU count
+    ("moe_1b_gpu.yaml", [1]), ("moe_1b_8gpu.yaml", [8]), ("moe_1b_16gpu.yaml", [16])])
+def test_gpu_configs_train_as_is_at_their_world_sizes(config, worlds):
+    cfg = load_config(str(ROOT / "configs" / config), [])
+    for world in worlds:
+        layout = validate_layout(cfg, world)
+        assert layout.world == world and layout.dp * layout.pp * layout.tp * layout.cp == world
+
+
+def test_dtype_auto_is_bf16_on_accelerators_and_fp32_on_cpu():
+    import torch
+
+    from moe_trainer.train import resolve_device_settings
+    for device, want in (("cpu", "fp32"), ("meta", "bf16")):  # meta: any device but a CPU (TF32 is set on CUDA only)
+        cfg = load_config(str(ROOT / "configs/moe_tiny.yaml"), [])
+        assert cfg.train.dtype == "auto"
+        resolve_device_settings(cfg, torch.device(device))
+        assert cfg.train.dtype == want
+
+
+def test_cuda_asked_for_without_a_gpu_is_one_sentence(tmp_path):
+    e = env()
+    e["DS_ACCELERATOR"] = "cuda"
+    proc = subprocess.run([sys.executable, "-m", "moe_trainer.train", "--config", "configs/moe_tiny.yaml",
+                           "--set", f"run.out_dir={tmp_path}"], cwd=ROOT, env=e, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "rank 0: DS_ACCELERATOR=cuda asks for CUDA, but torch" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
