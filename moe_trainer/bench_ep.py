@@ -75,7 +75,7 @@ def worker_ours(a) -> None:
     from .bench_turns import Turns
     from .config import load_config, validate_layout
     from .expert_load import imbalance_stats
-    from .parallel.launch import keep_freed_memory
+    from .kernels.cpu.allocator import keep_freed_memory
     from .parallel.mesh import build_mesh
     from .trainer import Trainer
 
@@ -123,7 +123,7 @@ def worker_autoep(a) -> None:
     cfg = load_config(CONFIG, overrides(world, a.dtype, a.steps, a.run_dir, False))
     _init(world)
     if a.keep_freed:  # the peer under our trainer's allocator setting, for a same-setting comparison
-        from .parallel.launch import keep_freed_memory
+        from .kernels.cpu.allocator import keep_freed_memory
         keep_freed_memory()
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(a.hf, dtype=dtype)

@@ -136,7 +136,7 @@ def _build(impl: str, dtype, n_group: int, topk_group: int):
 def worker(impl: str, dtype_name: str, args) -> dict:
     import torch
     if args.allocator == "keep_freed":  # our trainer's CPU setting, for every implementation alike
-        from moe_trainer.parallel.launch import keep_freed_memory
+        from moe_trainer.kernels.cpu.allocator import keep_freed_memory
         keep_freed_memory()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

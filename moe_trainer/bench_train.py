@@ -98,7 +98,7 @@ def worker_hf(dtype: str, args, keep_freed: bool = False) -> None:
     from moe_trainer.data import open_data
     from moe_trainer.hf import to_hf
     from moe_trainer.models.registry import build_model
-    from moe_trainer.parallel.launch import keep_freed_memory
+    from moe_trainer.kernels.cpu.allocator import keep_freed_memory
     from moe_trainer.parallel.zero import deepspeed_config, param_groups
     if keep_freed:
         keep_freed_memory()
