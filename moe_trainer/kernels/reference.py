@@ -8,8 +8,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .accelerator import AcceleratorBackend
 
-class ReferenceBackend:
+
+class ReferenceBackend(AcceleratorBackend):
+    """The accelerator path's interface with the simple version of each fast piece (the SiLU
+    product, the linear layers and top-k are plain torch ops there already, and shared)."""
+
     name = "reference"
 
     @staticmethod
@@ -18,14 +23,6 @@ class ReferenceBackend:
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         return weight * x.to(dtype)
-
-    @staticmethod
-    def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return F.silu(g) * u
-
-    @staticmethod
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return F.linear(x, weight, bias)
 
     @staticmethod
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -62,7 +59,3 @@ class ReferenceBackend:
     @staticmethod
     def sort_by_key(keys: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.argsort(keys, stable=True), torch.bincount(keys, minlength=n_keys)
-
-    @staticmethod
-    def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-        return scores.topk(k, dim=-1, sorted=False).indices
