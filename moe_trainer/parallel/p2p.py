@@ -13,6 +13,10 @@ schedule (a list of ("F" | "B", micro-batch) operations) into that sequence of b
 rendezvous simulation in tests/test_p2p.py checks every schedule for p <= 8, m <= 16 under the
 rule above, and the pipeline parity tests run their ranks with torch.distributed's point-to-point
 calls wrapped so that each send completes only after the peer posted its receive.
+
+Collectives that span stages (the optimizer step's gradient-norm all-reduce over the model-parallel
+group) are not transfers: the executor runs them only after the step's final sends are posted,
+or a stage would wait in the collective for a stage that waits for its send.
 """
 from __future__ import annotations
 

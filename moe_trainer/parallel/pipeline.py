@@ -303,6 +303,10 @@ class PipelineExecutor:
             return self._backward(i, received.pop(("grad", i), None), saved, res)
 
         self._run(self.ops, run_op, res)
+        # the accumulation boundary: the optimizer step all-reduces the gradient norm over every
+        # stage, so it comes after the step's last transfers were posted (a collective between
+        # the last backward and its send would wait for a stage that waits for that send)
+        self.engine.step()
         return res
 
     def _forward(self, i, get_batch, carried, saved, res) -> dict:
@@ -342,7 +346,8 @@ class PipelineExecutor:
         t1 = time.perf_counter()
         self.trace.record("backward", i, t0, t1)
         res.backward_s += t1 - t0
-        self.engine.step()  # the optimizer steps at the accumulation boundary
+        if self.ops[-1] != ("B", i):  # DeepSpeed counts micro-batches; step() ends the last one
+            self.engine.step()
         return {("grad", i): carried.grad} if self.prev is not None else {}
 
     @torch.no_grad()
