@@ -133,7 +133,12 @@ def record_start(start: Start, world: int, peak: tuple[float, str], data_dir: Op
              "resumed_from": str(start.checkpoint) if start.checkpoint else None,
              "changes": {k: [old, new] for k, (old, new) in start.changes.items()},
              "peak_tflops": peak[0], "peak_source": peak[1], "config": start.cfg.to_dict()}
+    saved = out / "config.yaml"
     with open(out / HISTORY, "a") as f:
+        if f.tell() == 0 and saved.is_file():  # a run from before the history: keep the config it ran with
+            old = yaml.safe_load(saved.read_text())
+            f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(saved.stat().st_mtime)),
+                                "note": "config.yaml found before the history began", "config": old}) + "\n")
         f.write(json.dumps(entry) + "\n")
         f.flush()
         os.fsync(f.fileno())
@@ -187,8 +192,10 @@ def banner(trainer, start: Start) -> str:
     t, m, p = cfg.train, cfg.model, cfg.parallel
     total, active = parameter_counts(m)
     mine = sum(q.numel() for q in trainer.engine.module.parameters())
+    from .data import BYTE_SPECIALS
     index = trainer.data_index
     splits, tok = index["splits"], index.get("tokenizer", {})
+    eos = tok.get("eos_token") or BYTE_SPECIALS.get(tok.get("eos_id"), tok.get("eos_id"))  # older indexes: an id
     data = cfg.data.path or "the default corpus (standard-library .py files as bytes)"
     if start.checkpoint is not None:
         source = f"resumed from {start.checkpoint} at step {trainer.step}"
@@ -206,7 +213,7 @@ def banner(trainer, start: Start) -> str:
         f"{_count(mine)} on this rank (rank 0); vocab {m.vocab_size}",
         f"tokens per step {tokens:,} ({t.global_batch_size} sequences x {t.seq_len}); {t.max_steps} steps",
         f"data {data}: {splits['train']['num_tokens']:,} train / {splits['val']['num_tokens']:,} val tokens, "
-        f"vocab {index['vocab_size']}, documents end with {tok.get('eos_token', tok.get('eos_id'))!r}",
+        f"vocab {index['vocab_size']}, documents end with {eos!r}",
         f"start: {source}",
         f"MFU peak {trainer.peak:.3g} TFLOP/s per rank ({trainer.peak_source})",
         f"run directory {out}  (config history: {HISTORY})",

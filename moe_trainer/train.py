@@ -85,7 +85,7 @@ def report_error(message: str, rank: int, world: int, same_on_every_rank: bool) 
         if rank == 0:
             print(message, file=sys.stderr, flush=True)
         elif same_on_every_rank:
-            time.sleep(5)
+            time.sleep(2)
         return
     key = f"{os.getppid()}|{os.environ.get('MASTER_PORT')}|{message}"
     marks = Path(tempfile.gettempdir()) / f"moe_trainer-errors-{os.getuid()}"

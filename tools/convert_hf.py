@@ -10,7 +10,10 @@ import: a DeepSeek-V3 (DeepseekV3ForCausalLM, FP8 or not) or Llama (LlamaForCaus
 export: our weights (a safetensors file of our names, or a run checkpoint directory
   such as runs/X/checkpoints/step_N/) and the run's config -> a directory that
   transformers.AutoModelForCausalLM.from_pretrained loads. Without --config, the
-  config.yaml of the run directory holding the checkpoint is used.
+  config.yaml of the run directory holding the checkpoint is used. The tokenizer
+  (tokenizer.json, tokenizer_config.json: the run directory's, else the data's)
+  goes with it, its special-token ids in config.json and generation_config.json,
+  so AutoTokenizer.from_pretrained(OUT_DIR) and generate work on the export.
 """
 import argparse
 import sys
@@ -53,7 +56,22 @@ def cmd_export(args) -> str:
     hf.load_weights_file(model, weights)
     out = hf.to_hf(model, args.out_dir, dtype=DTYPES[args.dtype], stacked_experts=args.stacked_experts,
                    overwrite=args.overwrite)
-    return f"wrote {out} (config.json + safetensors, {args.dtype}) for transformers' AutoModelForCausalLM"
+    ids = hf.export_tokenizer(out, tokenizer_dir(args, cfg, Path(config).parent))
+    return (f"wrote {out} (config.json + safetensors, {args.dtype}; tokenizer, {ids}) for transformers' "
+            f"AutoModelForCausalLM and AutoTokenizer")
+
+
+def tokenizer_dir(args, cfg, config_dir: Path) -> Path:
+    """--tokenizer, else the run directory's tokenizer files, else those of the run's data."""
+    from moe_trainer.data import DataError, data_dir
+    if args.tokenizer:
+        return Path(args.tokenizer)
+    if (config_dir / "tokenizer.json").is_file():
+        return config_dir
+    try:
+        return data_dir(cfg.data.path)
+    except DataError as e:
+        raise hf.HFFormatError(f"no tokenizer for the export: {e}") from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -74,6 +92,8 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--stacked-experts", action="store_true",
                      help="write experts stacked (gate_up_proj / down_proj) instead of one tensor per expert")
     exp.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    exp.add_argument("--tokenizer", help="directory with tokenizer.json + tokenizer_config.json (default: the run "
+                                         "directory's, else its data's)")
     exp.set_defaults(run=cmd_export)
     return ap
 
