@@ -2,6 +2,8 @@
 (metrics.jsonl, TensorBoard, a console progress line)."""
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import math
 import os
@@ -164,7 +166,6 @@ def device_peak_tflops(dtype: torch.dtype, device: torch.device) -> tuple[float,
         if known is not None:
             return known
     path, key = _peak_cache_entry(dtype, device)
-    import fcntl
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the holder exits, even killed
@@ -186,9 +187,9 @@ def _peak_cache_entry(dtype: torch.dtype, device: torch.device) -> tuple[Path, s
         machine = cpu_kernels._cpu_signature()
         onednn = dtype == torch.float32 and cpu_kernels.onednn_linear_enabled()
     else:
-        machine, onednn = f"{device.type}:{torch.cuda.get_device_name(device)}", False
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        machine, onednn = f"{device.type}:{name}", False
     sig = "|".join([machine, str(dtype), str(torch.get_num_threads()), torch.__version__, f"onednn={onednn}"])
-    import hashlib
     label = f"{str(dtype).removeprefix('torch.')}-{torch.get_num_threads()}threads"
     return cpu_kernels.build_dir().parent / "peak_tflops.json", f"{label}-{hashlib.sha256(sig.encode()).hexdigest()[:12]}"
 

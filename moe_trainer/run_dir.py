@@ -9,7 +9,8 @@ from that saved config. The keys the command gives itself (in its YAML file or a
   what is trained, so the start stops with one sentence naming the key and both
   values, unless `train.resume_allow` lists the key (or its section).
 Keys the command leaves at their defaults keep the saved values, so a forgotten
-`--set data.path=...` cannot switch a run's corpus.
+`--set data.path=...` cannot switch a run's corpus; only PER_JOB keys (when this
+job stops, what it resumes, fault injection) are always the command's.
 
 Every start appends one line to `config_history.jsonl` (time, world, what it
 resumed, what changed, the MFU peak used, the whole config) before config.yaml
@@ -36,15 +37,21 @@ RESUMABLE = ("run.out_dir", "train.max_steps", "train.stop_at_step", "train.micr
              "train.checkpoint_every", "train.keep_checkpoints", "train.resume", "train.resume_allow",
              "train.init_from", "train.log_every", "train.eval_every", "train.eval_batches", "train.max_nan_skips",
              "train.keep_freed_memory", "model.moe_impl", "parallel.", "metrics.", "debug.")
+# keys of one job, not of the run: always the command's (set or default), never carried over from the saved config
+PER_JOB = ("train.stop_at_step", "train.resume", "train.resume_allow", "debug.")
 HISTORY = "config_history.jsonl"
 
 
 def resumable(key: str, allow: list) -> bool:
     """May a resume change `key`? RESUMABLE (a trailing dot: a whole section), or listed in
     train.resume_allow (a key, or a section name)."""
-    if any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE):
+    if _matches(key, RESUMABLE):
         return True
     return any(key == a or key.startswith(f"{a}.") for a in allow)
+
+
+def _matches(key: str, patterns: tuple) -> bool:
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
 
 
 @dataclass
@@ -90,8 +97,9 @@ def merge_for_resume(saved: Config, now: Config, given: Optional[set], where: Pa
     """The saved config with the command's differing keys applied, and those changes; a key
     that may not change stops the start."""
     old, new = flatten(saved.to_dict()), flatten(now.to_dict())
+    keys = set(new) if given is None else set(given) | {k for k in new if _matches(k, PER_JOB)}
     changes = {}
-    for key in sorted(given if given is not None else new):
+    for key in sorted(keys):
         if key not in old or key not in new or old[key] == new[key]:
             continue
         if not resumable(key, now.train.resume_allow):

@@ -126,12 +126,13 @@ def _cfg(*sets) -> Config:
 
 def test_merge_keeps_the_saved_values_the_command_does_not_give(tmp_path):
     where = tmp_path / "config.yaml"
-    saved = _cfg("train.weight_decay=0.2")  # a key moe_tiny.yaml does not set
+    saved = _cfg("train.weight_decay=0.2", "train.stop_at_step=5")  # keys moe_tiny.yaml does not set
     now = _cfg("parallel.ep=2", "train.max_steps=500")
     given = given_keys(str(ROOT / "configs" / "moe_tiny.yaml"), ["parallel.ep=2", "train.max_steps=500"])
     merged, changes = merge_for_resume(saved, now, given, where)
-    assert changes == {"parallel.ep": (1, 2), "train.max_steps": (300, 500)}
-    assert merged.train.weight_decay == 0.2 and merged.parallel.ep == 2
+    # stop_at_step belongs to the job that set it: never carried over
+    assert changes == {"parallel.ep": (1, 2), "train.max_steps": (300, 500), "train.stop_at_step": (5, None)}
+    assert merged.train.weight_decay == 0.2 and merged.parallel.ep == 2 and merged.train.stop_at_step is None
     # train.lr is in moe_tiny.yaml, so the command gives it: it must match ...
     with pytest.raises(ConfigError, match=r"train.lr would change .* has 0.01, this command gives 0.003"):
         merge_for_resume(_cfg("train.lr=0.01"), now, given, where)
@@ -140,7 +141,7 @@ def test_merge_keeps_the_saved_values_the_command_does_not_give(tmp_path):
     given = given_keys(None, ["train.global_batch_size=64", "train.resume_allow=[train.global_batch_size]"])
     merged, changes = merge_for_resume(saved, now, given, where)
     assert merged.train.global_batch_size == 64 and merged.train.weight_decay == 0.2
-    assert set(changes) == {"train.global_batch_size", "train.resume_allow"}
+    assert set(changes) == {"train.global_batch_size", "train.resume_allow", "train.stop_at_step"}
     assert resumable("parallel.pp", []) and resumable("metrics.peak_tflops", [])
     assert not resumable("model.hidden_size", []) and resumable("model.hidden_size", ["model"])
     assert not resumable("run.seed", []) and not resumable("train.dtype", [])

@@ -17,6 +17,7 @@ export: our weights (a safetensors file of our names, or a run checkpoint direct
 """
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -56,22 +57,41 @@ def cmd_export(args) -> str:
     hf.load_weights_file(model, weights)
     out = hf.to_hf(model, args.out_dir, dtype=DTYPES[args.dtype], stacked_experts=args.stacked_experts,
                    overwrite=args.overwrite)
-    ids = hf.export_tokenizer(out, tokenizer_dir(args, cfg, Path(config).parent))
-    return (f"wrote {out} (config.json + safetensors, {args.dtype}; tokenizer, {ids}) for transformers' "
+    with tempfile.TemporaryDirectory() as scratch:
+        source = tokenizer_dir(args, cfg, Path(config).parent, Path(scratch))
+        try:
+            if source is None:
+                raise hf.HFFormatError(f"neither the run directory nor the data of the config holds this model's "
+                                       f"tokenizer")
+            ids = hf.export_tokenizer(out, source)
+        except hf.HFFormatError as e:
+            if args.tokenizer:
+                raise
+            print(f"warning: {e}; the export has no tokenizer (--tokenizer DIR gives one)", file=sys.stderr)
+            return f"wrote {out} (config.json + safetensors, {args.dtype}) for transformers' AutoModelForCausalLM"
+    return (f"wrote {out} (config.json + safetensors, {args.dtype}; tokenizer with {ids}) for transformers' "
             f"AutoModelForCausalLM and AutoTokenizer")
 
 
-def tokenizer_dir(args, cfg, config_dir: Path) -> Path:
-    """--tokenizer, else the run directory's tokenizer files, else those of the run's data."""
-    from moe_trainer.data import DataError, data_dir
+def tokenizer_dir(args, cfg, config_dir: Path, scratch: Path):
+    """Where the export's tokenizer comes from: --tokenizer, else the run directory's files, else
+    those of the config's data if the model's vocabulary is the data's (the default corpus's byte
+    tokenizer written into `scratch`); None if there is none."""
+    from moe_trainer.data import DataError, byte_tokenizer_files, data_vocab_size
     if args.tokenizer:
         return Path(args.tokenizer)
     if (config_dir / "tokenizer.json").is_file():
         return config_dir
     try:
-        return data_dir(cfg.data.path)
-    except DataError as e:
-        raise hf.HFFormatError(f"no tokenizer for the export: {e}") from None
+        if data_vocab_size(cfg.data.path) != cfg.model.vocab_size:
+            return None  # e.g. an imported model: its config's data is not what it was trained on
+    except DataError:
+        return None
+    if cfg.data.path:
+        return Path(cfg.data.path) if (Path(cfg.data.path) / "tokenizer.json").is_file() else None
+    for name, text in byte_tokenizer_files().items():
+        (scratch / name).write_text(text)
+    return scratch
 
 
 def parser() -> argparse.ArgumentParser:
