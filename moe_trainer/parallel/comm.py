@@ -347,15 +347,17 @@ def count_deepspeed_collectives(counter: CommCounter, groups: dict) -> bool:
     `counter` as "zero_<name>_<collective>", sent = received = the ring's bytes: what ZeRO's
     gradient reductions and parameter all-gathers move, beside the all-to-alls' counts. Wraps
     the backend's methods as they are now (after route_deepspeed_collectives, so the
-    shared-memory routes are counted too); idempotent. True if the counting is in place."""
+    shared-memory routes are counted too); a later call moves the counting to its counter and
+    groups. True if the counting is in place."""
     import inspect
     from deepspeed.comm import comm as ds_comm
     backend = ds_comm.cdb
     if backend is None:
         return False
-    if getattr(backend, "_moe_trainer_counted", False):
+    wrapped = hasattr(backend, "_moe_trainer_counting")
+    backend._moe_trainer_counting = (counter, {g: n for g, n in groups.items() if g is not None})
+    if wrapped:
         return True
-    names = {g: n for g, n in groups.items() if g is not None}
 
     def wrap(name: str, base):
         signature = inspect.signature(base)
@@ -363,14 +365,14 @@ def count_deepspeed_collectives(counter: CommCounter, groups: dict) -> bool:
         def call(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
+            now, names = backend._moe_trainer_counting
             kind = names.get(bound.arguments.get("group"))
             if kind is not None:
                 g = dist.get_world_size(bound.arguments["group"])
-                _count(counter, f"zero_{kind}_{name}", _bus_bytes(name, bound.arguments, g))
+                _count(now, f"zero_{kind}_{name}", _bus_bytes(name, bound.arguments, g))
             return base(*args, **kwargs)
         return call
 
     for name in ("all_reduce", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather"):
         setattr(backend, name, wrap(name, getattr(backend, name)))
-    backend._moe_trainer_counted = True
     return True
