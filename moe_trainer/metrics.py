@@ -191,7 +191,8 @@ def _peak_cache_entry(dtype: torch.dtype, device: torch.device) -> tuple[Path, s
         machine, onednn = f"{device.type}:{name}", False
     sig = "|".join([machine, str(dtype), str(torch.get_num_threads()), torch.__version__, f"onednn={onednn}"])
     label = f"{str(dtype).removeprefix('torch.')}-{torch.get_num_threads()}threads"
-    return cpu_kernels.build_dir().parent / "peak_tflops.json", f"{label}-{hashlib.sha256(sig.encode()).hexdigest()[:12]}"
+    digest = hashlib.sha256(sig.encode()).hexdigest()[:12]
+    return cpu_kernels.build_dir().parent / "peak_tflops.json", f"{label}-{digest}"
 
 
 def _read_json(path: Path) -> dict:

@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import yaml
 
@@ -216,7 +216,8 @@ def banner(trainer, start: Start) -> str:
     lines = [
         f"world {lay.world}: dp {lay.dp}, ep {lay.ep} (expert-dp {lay.edp}), pp {lay.pp} "
         f"(virtual stages {getattr(p, 'virtual_stages', 1)}, schedule {p.schedule}), tp {lay.tp}, cp {lay.cp}; "
-        f"{lay.grad_accum} micro-batches of {t.micro_batch_size} per step, {t.dtype}",
+        f"{lay.grad_accum} micro-batch{'es' if lay.grad_accum != 1 else ''} of {t.micro_batch_size} per step, "
+        f"{t.dtype}",
         f"model {m.arch}: {_count(total)} parameters, {_count(active)} activated per token, "
         f"{_count(mine)} on this rank (rank 0); vocab {m.vocab_size}",
         f"tokens per step {tokens:,} ({t.global_batch_size} sequences x {t.seq_len}); {t.max_steps} steps",

@@ -61,8 +61,8 @@ def cmd_export(args) -> str:
         source = tokenizer_dir(args, cfg, Path(config).parent, Path(scratch))
         try:
             if source is None:
-                raise hf.HFFormatError(f"neither the run directory nor the data of the config holds this model's "
-                                       f"tokenizer")
+                raise hf.HFFormatError("neither the run directory nor the data of the config holds this model's "
+                                       "tokenizer")
             ids = hf.export_tokenizer(out, source)
         except hf.HFFormatError as e:
             if args.tokenizer:
