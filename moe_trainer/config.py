@@ -302,6 +302,15 @@ def resolve_auto(cfg: Config) -> None:
             raise ConfigError(f"model.vocab_size is auto, but {e}") from None
     elif not isinstance(cfg.model.vocab_size, int):
         raise ConfigError(f"model.vocab_size must be a positive integer or auto, got {cfg.model.vocab_size!r}.")
+    else:  # an explicit value: at least the data's (when the data is there to ask; opening it checks again)
+        from .data import DataError, data_vocab_size
+        try:
+            need = data_vocab_size(cfg.data.path)
+        except DataError:
+            return
+        _require(cfg.model.vocab_size >= need,
+                 f"model.vocab_size ({cfg.model.vocab_size}) is below the data's vocab_size ({need}); set "
+                 f"model.vocab_size=auto (the data's vocabulary) or at least {need}.")
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:

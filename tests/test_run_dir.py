@@ -158,6 +158,10 @@ def test_vocab_auto_and_an_explicit_vocab_below_the_data(tmp_path):
     prepare([str(f) for f in files], str(tmp_path / "tok"), val_fraction=0.3)
     with pytest.raises(DataError, match=r"exceeds model.vocab_size \(256\); set model.vocab_size=auto"):
         open_token_dir(tmp_path / "tok", 256)
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(256\) is below the data's vocab_size \(320\); set "
+                                          r"model.vocab_size=auto"):
+        _cfg(f"data.path={tmp_path / 'tok'}", "model.vocab_size=256")
+    assert _cfg(f"data.path={tmp_path / 'tok'}").model.vocab_size == 320
 
 
 def test_the_measured_peak_is_cached_per_machine_and_dtype(tmp_path, monkeypatch):
