@@ -62,6 +62,7 @@ class Start:
     checkpoint: Optional[Path] = None  # to resume from
     changes: dict = field(default_factory=dict)  # key -> (saved value, this start's value), accepted
     fresh_over: bool = False  # a fresh start in a directory that held a run's config
+    from_saved: bool = False  # a resume that continues the run directory's config.yaml
 
 
 def _load_saved(path: Path) -> Config:
@@ -90,7 +91,7 @@ def plan_start(cfg: Config, given: Optional[set] = None, warn: bool = True) -> S
         return Start(cfg, None, fresh_over=True)
     saved = _load_saved(saved_file)
     merged, changes = merge_for_resume(saved, cfg, given, saved_file)
-    return Start(merged, checkpoint, changes)
+    return Start(merged, checkpoint, changes, from_saved=True)
 
 
 def merge_for_resume(saved: Config, now: Config, given: Optional[set], where: Path) -> tuple[Config, dict]:
@@ -119,11 +120,13 @@ def merge_for_resume(saved: Config, now: Config, given: Optional[set], where: Pa
 def describe(start: Start) -> list[str]:
     """Console lines about this start's decisions (rank 0 prints them)."""
     lines = []
-    if start.checkpoint is not None and start.changes:
+    if start.from_saved and start.changes:
         changed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in start.changes.items())
         lines.append(f"resuming with the run directory's config.yaml, changed: {changed} (recorded in {HISTORY})")
-    elif start.checkpoint is not None:
+    elif start.from_saved:
         lines.append("resuming with the run directory's config.yaml, unchanged")
+    elif start.checkpoint is not None:
+        lines.append(f"resuming {start.checkpoint} with this command's config (a new run directory)")
     if start.fresh_over:
         lines.append(f"warning: {start.cfg.run.out_dir} holds a run's config.yaml but no checkpoint to resume "
                      f"(train.resume={start.cfg.train.resume}); starting from step 0, its previous configs stay "
