@@ -11,7 +11,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import yaml
 
@@ -31,7 +31,9 @@ class ModelConfig:
     """Architecture. Field names follow the Hugging Face config of each arch."""
 
     arch: str = "deepseek_v3"  # deepseek_v3 | llama3
-    vocab_size: int = 320  # byte-level default corpus: 256 bytes + specials, padded to 64
+    # auto: the data's vocabulary (index.json's vocab_size, already padded to a multiple of 64: 320 for the
+    # byte-level default corpus); an explicit value must be at least that
+    vocab_size: Union[int, str] = "auto"
     hidden_size: int = 256
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
@@ -105,6 +107,9 @@ class TrainConfig:
     #                                    max_steps' LR schedule: for time-boxed allocations
     keep_freed_memory: bool = True  # CPU ranks on glibc: freed memory stays in the process for reuse
     #                                 instead of going back to the OS (no page faults on every step)
+    # keys a resume may change although they change what is trained (run_dir.RESUMABLE lists those it
+    # may always change), e.g. [train.global_batch_size, train.lr]
+    resume_allow: list = field(default_factory=list)
 
 
 @dataclass
@@ -187,8 +192,11 @@ def _coerce(key: str, value: Any, tp) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
+        if value is None and len(args) < len(typing.get_args(tp)):
             return None
+        for arg in args[1:]:  # Union[int, str]: the first type that takes the value
+            if arg is str and isinstance(value, str) or arg is not str and _fits(value, arg):
+                return _coerce(key, value, arg)
         return _coerce(key, value, args[0])
     if tp is bool:
         if isinstance(value, bool):
@@ -215,6 +223,14 @@ def _coerce(key: str, value: Any, tp) -> Any:
             return value
     name = getattr(tp, "__name__", str(tp))
     raise ConfigError(f"{key} must be of type {name}, got {value!r}.")
+
+
+def _fits(value: Any, tp) -> bool:
+    try:
+        _coerce("", value, tp)
+        return True
+    except ConfigError:
+        return False
 
 
 def _apply(section_obj, prefix: str, values: dict) -> None:
@@ -262,6 +278,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         for k in reversed(keys):
             nested = {k: nested}
         _apply(cfg, "", nested)
+    resolve_auto(cfg)
     validate(cfg)
     return cfg
 
@@ -269,8 +286,55 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
 def config_from_dict(data: dict) -> Config:
     cfg = Config()
     _apply(cfg, "", data)
+    resolve_auto(cfg)
     validate(cfg)
     return cfg
+
+
+def resolve_auto(cfg: Config) -> None:
+    """model.vocab_size=auto -> the vocabulary of data.path (read from its index.json; 320 for
+    the default corpus). Explicit values stay and are checked against the data when it opens."""
+    if cfg.model.vocab_size == "auto":
+        from .data import DataError, data_vocab_size
+        try:
+            cfg.model.vocab_size = data_vocab_size(cfg.data.path)
+        except DataError as e:
+            raise ConfigError(f"model.vocab_size is auto, but {e}") from None
+    elif not isinstance(cfg.model.vocab_size, int):
+        raise ConfigError(f"model.vocab_size must be a positive integer or auto, got {cfg.model.vocab_size!r}.")
+    else:  # an explicit value: at least the data's (when the data is there to ask; opening it checks again)
+        from .data import DataError, data_vocab_size
+        try:
+            need = data_vocab_size(cfg.data.path)
+        except DataError:
+            return
+        _require(cfg.model.vocab_size >= need,
+                 f"model.vocab_size ({cfg.model.vocab_size}) is below the data's vocab_size ({need}); set "
+                 f"model.vocab_size=auto (the data's vocabulary) or at least {need}.")
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{'train': {'lr': 1}} -> {'train.lr': 1}; dict-valued fields (model.rope_scaling) stay whole."""
+    out = {}
+    for key, value in tree.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and not prefix:
+            out.update(flatten(value, full))
+        else:
+            out[full] = value
+    return out
+
+
+def given_keys(path: Optional[str], overrides: Optional[list[str]]) -> set[str]:
+    """The keys a command sets itself (in its YAML file or a --set), as opposed to the defaults."""
+    keys = set()
+    if path and Path(path).is_file():
+        keys |= set(flatten(yaml.safe_load(Path(path).read_text()) or {}))
+    for text in overrides or []:
+        parts, value = parse_override(text)
+        keys |= set(flatten(value, ".".join(parts[:1]))) if len(parts) == 1 and isinstance(value, dict) \
+            else {".".join(parts[:2])}
+    return keys
 
 
 # ----------------------------------------------------------------------------- validation

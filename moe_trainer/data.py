@@ -2,7 +2,10 @@
 
 On disk (tools/prepare_data.py and the default corpus write the same thing): a
 directory with `index.json` and one flat memmap per split (`train.bin`,
-`val.bin`, uint16 or uint32 token ids, documents separated by EOS).
+`val.bin`, uint16 or uint32 token ids, documents separated by the tokenizer's
+end-of-text token), and the tokenizer as Hugging Face files (`tokenizer.json`,
+`tokenizer_config.json`), so `AutoTokenizer.from_pretrained(token_dir)` loads it;
+the run directory and the Hugging Face export carry the same two files.
 
 Batches: the train split is cut into windows of seq_len + 1 tokens (stride
 seq_len). Each epoch visits the windows in a permutation drawn from the run's
@@ -29,6 +32,12 @@ FORMAT = "moe_trainer.tokens.v1"
 BYTE_VOCAB = 256
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258  # specials after the 256 byte values
 BYTE_VOCAB_PADDED = 320  # 259 rounded up to a multiple of 64
+BYTE_SPECIALS = {BOS_ID: "<|bos|>", EOS_ID: "<|endoftext|>", PAD_ID: "<|pad|>"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# end-of-text tokens of common tokenizers (GPT-2 / Qwen, Llama 3 base, Llama 2 / Mistral, Gemma), in the
+# order tried when no tokenizer_config.json beside the tokenizer.json names one
+EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>", "<|startoftext|>")
 
 
 class DataError(ValueError):
@@ -47,8 +56,9 @@ def _is_val(name: str, val_fraction: float) -> bool:
 
 
 def write_token_dir(out_dir: Path, docs: Iterable[tuple[str, np.ndarray]], vocab_size: int, eos_id: int,
-                    val_fraction: float, tokenizer: dict) -> dict:
-    """Write (name, ids) documents as train/val memmaps + index.json, atomically.
+                    val_fraction: float, tokenizer: dict, files: Optional[dict[str, str]] = None) -> dict:
+    """Write (name, ids) documents as train/val memmaps + index.json (+ `files`, name -> text:
+    the tokenizer's), atomically.
 
     Everything goes to a temporary sibling directory renamed into place at the
     end, so a crash never leaves a token directory that looks complete.
@@ -58,6 +68,8 @@ def write_token_dir(out_dir: Path, docs: Iterable[tuple[str, np.ndarray]], vocab
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     try:
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
         index = _write_splits(tmp, docs, dtype, vocab_size, eos_id, val_fraction, tokenizer)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written token directory
@@ -118,9 +130,59 @@ def default_corpus_dir(val_fraction: float = 0.02) -> Path:
     if not (out / "index.json").is_file():
         files = stdlib_files()
         docs = ((str(p.relative_to(root)), np.frombuffer(p.read_bytes(), dtype=np.uint8)) for p in files)
-        write_token_dir(out, docs, BYTE_VOCAB_PADDED, EOS_ID, val_fraction,
-                        {"type": "bytes", "bos_id": BOS_ID, "eos_id": EOS_ID, "pad_id": PAD_ID})
+        write_token_dir(out, docs, BYTE_VOCAB_PADDED, EOS_ID, val_fraction, BYTE_TOKENIZER, byte_tokenizer_files())
+    elif not all((out / name).is_file() for name in TOKENIZER_FILES):  # a cache written before they were
+        for name, text in byte_tokenizer_files().items():
+            tmp = out / f".{name}.tmp{os.getpid()}"
+            tmp.write_text(text)
+            os.replace(tmp, out / name)
     return out
+
+
+BYTE_TOKENIZER = {"type": "bytes", "bos_id": BOS_ID, "eos_id": EOS_ID, "pad_id": PAD_ID,
+                  "bos_token": BYTE_SPECIALS[BOS_ID], "eos_token": BYTE_SPECIALS[EOS_ID],
+                  "pad_token": BYTE_SPECIALS[PAD_ID]}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which a ByteLevel tokenizer's vocabulary is written in."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def byte_tokenizer_files() -> dict[str, str]:
+    """tokenizer.json + tokenizer_config.json of the byte-level tokenizer: byte b is id b, then
+    BOS, EOS and PAD (256, 257, 258), exactly the default corpus's ids (a BPE without merges
+    over GPT-2's byte alphabet), so transformers reads and writes the default corpus's text."""
+    added = [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True} for i, text in BYTE_SPECIALS.items()]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+                 "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
+                 "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                           "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                           "ignore_merges": False, "vocab": {c: b for b, c in _bytes_to_unicode().items()},
+                           "merges": []}}
+    config = _tokenizer_config(BYTE_SPECIALS[EOS_ID], BYTE_SPECIALS[BOS_ID], BYTE_SPECIALS[PAD_ID])
+    return {"tokenizer.json": json.dumps(tokenizer, ensure_ascii=False), "tokenizer_config.json": config}
+
+
+def _tokenizer_config(eos: str, bos: Optional[str], pad: Optional[str]) -> str:
+    """What transformers' AutoTokenizer needs beside a tokenizer.json: the class and the special tokens."""
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, "eos_token": eos}
+    if bos is not None:
+        cfg["bos_token"] = bos
+    if pad is not None:
+        cfg["pad_token"] = pad
+    return json.dumps(cfg, indent=1) + "\n"
 
 
 # ----------------------------------------------------------------------------- reading
@@ -146,7 +208,8 @@ def open_token_dir(path: str | Path, model_vocab: int) -> tuple[dict, dict[str, 
     if index.get("format") != FORMAT:
         raise DataError(f"{index_file} has format {index.get('format')!r}, expected {FORMAT!r}.")
     if index["vocab_size"] > model_vocab:
-        raise DataError(f"the data's vocab_size ({index['vocab_size']}) exceeds model.vocab_size ({model_vocab}).")
+        raise DataError(f"the data's vocab_size ({index['vocab_size']}) exceeds model.vocab_size ({model_vocab}); "
+                        f"set model.vocab_size=auto (the data's vocabulary) or at least {index['vocab_size']}.")
     splits = {}
     for name in ("train", "val"):
         meta = splits_meta.get(name)
@@ -161,8 +224,9 @@ def open_token_dir(path: str | Path, model_vocab: int) -> tuple[dict, dict[str, 
             raise DataError(f"token file {f} is empty.")
         tokens = np.memmap(f, dtype=dtype, mode="r")
         top = _max_id(tokens)
-        if top >= model_vocab:
-            raise DataError(f"token file {f} holds id {top}, outside model.vocab_size ({model_vocab}).")
+        if top >= min(model_vocab, index["vocab_size"]):
+            raise DataError(f"token file {f} holds id {top}, outside model.vocab_size ({model_vocab}) or the "
+                            f"index's vocab_size ({index['vocab_size']}); remake it with tools/prepare_data.py.")
         splits[name] = TokenSplit(tokens, name)
     return index, splits
 
@@ -209,6 +273,26 @@ class BatchSource:
         return self.samples(start, micro_batch)
 
 
+def data_vocab_size(data_path: str) -> int:
+    """The vocabulary a token directory was written for (index.json's vocab_size, padded to a
+    multiple of 64); the default corpus's without building it."""
+    if not data_path:
+        return BYTE_VOCAB_PADDED
+    index_file = Path(data_path) / "index.json"
+    try:
+        return int(json.loads(index_file.read_text())["vocab_size"])
+    except FileNotFoundError:
+        raise DataError(f"data.path {data_path} has no index.json; make token files with "
+                        f"tools/prepare_data.py.") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{index_file} is not a valid token index ({e}).") from None
+
+
+def data_dir(data_path: str) -> Path:
+    """The token directory a run reads: data.path, or the default corpus's cache."""
+    return Path(data_path) if data_path else default_corpus_dir()
+
+
 def open_data(data_path: str, seq_len: int, seed: int, model_vocab: int, val_fraction: float = 0.02
               ) -> tuple[dict, BatchSource, BatchSource]:
     path = Path(data_path) if data_path else default_corpus_dir(val_fraction)
@@ -233,10 +317,46 @@ def load_tokenizer(path: Optional[str]):
     """A local Hugging Face tokenizer.json (no download), or None for bytes."""
     if path is None:
         return None
-    from tokenizers import Tokenizer
     if not Path(path).is_file():
         raise DataError(f"tokenizer file {path} does not exist.")
-    return Tokenizer.from_file(str(path))
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise DataError("--tokenizer needs the tokenizers package (pip install tokenizers).") from None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises its own Exception type
+        raise DataError(f"{path} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0]}).") from None
+
+
+def _special_from_config(path: Path, key: str) -> Optional[str]:
+    """A special token named by the tokenizer_config.json beside a tokenizer.json, if any."""
+    cfg_file = path.with_name("tokenizer_config.json")
+    try:
+        value = json.loads(cfg_file.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def tokenizer_specials(tok, path: str, eos_token: Optional[str] = None) -> dict:
+    """The tokenizer's own end-of-text token (the document separator) and its BOS / PAD if any:
+    `eos_token` if given, else what a tokenizer_config.json beside it names, else the first of
+    EOS_NAMES it holds. One sentence if none is found."""
+    def find(explicit, key, names):
+        for text in ([explicit] if explicit else [_special_from_config(Path(path), key), *names]):
+            if text is not None and tok.token_to_id(text) is not None:
+                return text, tok.token_to_id(text)
+        return None, None
+    eos, eos_id = find(eos_token, "eos_token", EOS_NAMES)
+    if eos is None:
+        wanted = repr(eos_token) if eos_token else f"any of {', '.join(EOS_NAMES)}"
+        raise DataError(f"tokenizer {path} has no end-of-text token ({wanted} not in its vocabulary); name its "
+                        f"document separator with --eos-token.")
+    bos, bos_id = find(None, "bos_token", BOS_NAMES)
+    pad, pad_id = find(None, "pad_token", ())
+    return {"eos_token": eos, "eos_id": eos_id, "bos_token": bos, "bos_id": bos_id, "pad_token": pad,
+            "pad_id": pad_id}
 
 
 def iter_documents(files: list[str], jsonl_field: str = "text") -> Iterable[tuple[str, str]]:
@@ -259,18 +379,21 @@ def iter_documents(files: list[str], jsonl_field: str = "text") -> Iterable[tupl
 
 
 def prepare(files: list[str], out_dir: str, tokenizer_path: Optional[str] = None, jsonl_field: str = "text",
-            val_fraction: float = 0.02) -> dict:
-    """Text/JSONL files -> token directory (byte-level, or a local tokenizer.json)."""
+            val_fraction: float = 0.02, eos_token: Optional[str] = None) -> dict:
+    """Text/JSONL files -> token directory (byte-level, or a local tokenizer.json, whose own
+    end-of-text token separates documents); the tokenizer's files go with the tokens."""
     tok = load_tokenizer(tokenizer_path)
     if tok is None:
-        vocab, eos = BYTE_VOCAB_PADDED, EOS_ID
-        meta = {"type": "bytes", "bos_id": BOS_ID, "eos_id": EOS_ID, "pad_id": PAD_ID}
+        vocab, eos, meta, tok_files = BYTE_VOCAB_PADDED, EOS_ID, BYTE_TOKENIZER, byte_tokenizer_files()
         encode = byte_tokenize
     else:
-        n = tok.get_vocab_size()
-        eos = n  # one extra id for the document separator
-        vocab = pad_vocab(n + 1)
-        meta = {"type": "tokenizer.json", "path": str(Path(tokenizer_path).resolve()), "eos_id": eos}
-        encode = lambda text: np.asarray(tok.encode(text).ids, dtype=np.int64)  # noqa: E731
+        specials = tokenizer_specials(tok, tokenizer_path, eos_token)
+        vocab, eos = pad_vocab(tok.get_vocab_size(with_added_tokens=True)), specials["eos_id"]
+        meta = {"type": "tokenizer.json", "source": str(Path(tokenizer_path).resolve()), **specials}
+        tok_files = {"tokenizer.json": Path(tokenizer_path).read_text(encoding="utf-8"),
+                     "tokenizer_config.json": _tokenizer_config(specials["eos_token"], specials["bos_token"],
+                                                                specials["pad_token"])}
+        # add_special_tokens=False: documents are separated by EOS alone, whatever the post-processor adds
+        encode = lambda text: np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)  # noqa: E731
     docs = ((name, encode(text)) for name, text in iter_documents(files, jsonl_field))
-    return write_token_dir(Path(out_dir), docs, vocab, eos, val_fraction, meta)
+    return write_token_dir(Path(out_dir), docs, vocab, eos, val_fraction, meta, tok_files)

@@ -2,6 +2,8 @@
 (metrics.jsonl, TensorBoard, a console progress line)."""
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import math
 import os
@@ -16,9 +18,16 @@ import torch
 from .kernels.cpu import extension as cpu_kernels
 from .config import ModelConfig
 
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from vendor datasheets.
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
-                   "L40S": 362.0, "A10G": 70.0, "L4": 121.0, "V100": 125.0, "MI300X": 1307.0}
+# Dense peaks (TFLOP/s, no sparsity) from vendor datasheets: bf16 tensor cores, and fp32 without TF32
+# (torch's default fp32 matmul precision, "highest"). Names as torch.cuda.get_device_name gives them, the
+# more specific first (an "H100 PCIe" is not an SXM H100).
+GPU_PEAK_TFLOPS = {"H100 PCIe": (756.0, 51.0), "H100 NVL": (835.0, 60.0), "H200": (989.0, 67.0),
+                   "H100": (989.0, 67.0), "H800": (989.0, 67.0), "A100": (312.0, 19.5), "A800": (312.0, 19.5),
+                   "L40S": (362.0, 91.6), "A10G": (70.0, 31.2), "L4": (121.0, 30.3), "V100": (125.0, 15.7),
+                   "MI300X": (1307.0, 163.4)}
+# fp32 with TF32 allowed (torch.set_float32_matmul_precision("high")): the dense TF32 tensor-core peak
+GPU_TF32_TFLOPS = {"H100 PCIe": 378.0, "H100 NVL": 418.0, "H200": 494.5, "H100": 494.5, "H800": 494.5,
+                   "A100": 156.0, "A800": 156.0, "L40S": 183.0, "A10G": 35.0, "L4": 60.0, "MI300X": 653.7}
 
 
 def matmul_flops_per_token(cfg: ModelConfig) -> dict[str, float]:
@@ -125,15 +134,72 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, shapes=ROOFL
 
 
 def peak_tflops(configured: Optional[float], dtype: torch.dtype, device: torch.device) -> tuple[float, str]:
-    """(peak, where it came from): configured, datasheet for a known GPU, else measured."""
+    """(peak, where it came from): metrics.peak_tflops if set, else device_peak_tflops."""
     if configured:
-        return configured, "config"
+        return configured, "config metrics.peak_tflops"
+    return device_peak_tflops(dtype, device)
+
+
+def datasheet_tflops(name: str, dtype: torch.dtype) -> Optional[tuple[float, str]]:
+    """The datasheet peak of a GPU by its name (torch.cuda.get_device_name), or None if unknown."""
+    for key, (bf16, fp32) in GPU_PEAK_TFLOPS.items():
+        if key in name:
+            if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest" \
+                    and key in GPU_TF32_TFLOPS:
+                return GPU_TF32_TFLOPS[key], f"datasheet {key} tf32"
+            if dtype == torch.float32:
+                return fp32, f"datasheet {key} fp32"
+            return bf16, f"datasheet {key} bf16"
+    return None
+
+
+def device_peak_tflops(dtype: torch.dtype, device: torch.device) -> tuple[float, str]:
+    """(peak TFLOP/s of one rank, source) for MFU, the same for every run on this machine and dtype.
+
+    A known GPU: its datasheet peak. Anything else: the matmul roofline of this rank
+    (measure_matmul_tflops), measured once and cached per machine, dtype and threads per rank
+    in peak_tflops.json beside the compiled kernels (MOE_TRAINER_KERNEL_DIR); delete the entry
+    to measure again. Measured by one process at a time (an flock), so ranks starting together
+    do not slow each other's measurement down and the later ones read the first one's."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return value, f"datasheet {key}"
-    return measure_matmul_tflops(dtype, device), "measured matmul"
+        known = datasheet_tflops(torch.cuda.get_device_name(device), dtype)
+        if known is not None:
+            return known
+    path, key = _peak_cache_entry(dtype, device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the holder exits, even killed
+        cache = _read_json(path)
+        if key not in cache:
+            cache[key] = {"tflops": measure_matmul_tflops(dtype, device),
+                          "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
+            os.replace(tmp, path)
+    entry = cache[key]
+    return float(entry["tflops"]), f"measured matmul {entry['measured']}, cached in {path}"
+
+
+def _peak_cache_entry(dtype: torch.dtype, device: torch.device) -> tuple[Path, str]:
+    """(cache file, key): the key names the CPU (model and flags) or device, the dtype, the threads
+    this rank computes with, torch's version and whether oneDNN's fp32 matmul counts."""
+    if device.type == "cpu":
+        machine = cpu_kernels._cpu_signature()
+        onednn = dtype == torch.float32 and cpu_kernels.onednn_linear_enabled()
+    else:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        machine, onednn = f"{device.type}:{name}", False
+    sig = "|".join([machine, str(dtype), str(torch.get_num_threads()), torch.__version__, f"onednn={onednn}"])
+    label = f"{str(dtype).removeprefix('torch.')}-{torch.get_num_threads()}threads"
+    digest = hashlib.sha256(sig.encode()).hexdigest()[:12]
+    return cpu_kernels.build_dir().parent / "peak_tflops.json", f"{label}-{digest}"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -177,12 +243,12 @@ class MetricSink:
         self.first_step: Optional[int] = None
 
     def log(self, step: int, record: dict, tb_prefix: str = "") -> None:
-        record = {"step": step, **record}
+        record = {"step": step, **record, "wall_time": time.time()}  # seconds since the epoch, as TensorBoard's
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                if key not in ("step", "wall_time") and isinstance(value, (int, float)) and math.isfinite(value):
                     self.tb.add_scalar(tb_prefix + key.replace(".", "/"), value, step)
             self.tb.flush()
 

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import os
 import socket
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 from .checkpoint import CheckpointError
-from .config import ConfigError, load_config, validate_layout
+from .config import ConfigError, given_keys, load_config, validate_layout
 from .data import DataError
 from .hf import HFFormatError
 
@@ -67,9 +71,10 @@ def check_gpus(ds_accelerator: str, local_rank: int, rank: int) -> None:
                           f"(deepspeed --num_gpus / torchrun --nproc-per-node).")
 
 
-def make_trainer(cfg, layout):
+def make_trainer(cfg, layout, start=None):
     """This rank's Trainer, the process set up as a launched rank: device, threads, allocator,
-    kernels and the process group (the launcher's environment, or _single_process_env's)."""
+    kernels and the process group (the launcher's environment, or _single_process_env's).
+    `start`: run_dir.plan_start's decision (None: the trainer makes it)."""
     import torch
 
     from . import kernels
@@ -96,39 +101,76 @@ def make_trainer(cfg, layout):
         from .kernels.cpu.extension import kernels as build_cpu_kernels
         build_cpu_kernels()
     init_distributed(cfg.parallel.timeout_s)
-    return Trainer(cfg, build_mesh(layout, int(os.environ["RANK"])), device)
+    return Trainer(cfg, build_mesh(layout, int(os.environ["RANK"])), device, start)
+
+
+def report_error(message: str, rank: int, world: int, same_on_every_rank: bool) -> None:
+    """Print a one-sentence error once per job, not once per rank.
+
+    same_on_every_rank (checks of the config and the run directory, which every rank makes
+    alike before any process group): rank 0 prints it; the others wait a moment so that the
+    launcher, which ends every rank once one fails, does not end rank 0 before it has printed.
+    Otherwise the first rank of this node to report that message prints it (a marker file
+    named by the launcher's process, port and message): the rank that failed, once."""
+    if same_on_every_rank or world == 1:
+        if rank == 0:
+            print(message, file=sys.stderr, flush=True)
+        elif same_on_every_rank:
+            time.sleep(2)
+        return
+    key = f"{os.getppid()}|{os.environ.get('MASTER_PORT')}|{message}"
+    marks = Path(tempfile.gettempdir()) / f"moe_trainer-errors-{os.getuid()}"
+    marks.mkdir(exist_ok=True)
+    for old in marks.iterdir():  # markers of finished jobs
+        if time.time() - old.stat().st_mtime > 3600:
+            old.unlink(missing_ok=True)
+    try:
+        os.close(os.open(marks / hashlib.sha256(key.encode()).hexdigest()[:24], os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return  # another rank of this job printed it
+    print(message if rank == 0 else f"{message} (rank {rank})", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = load_config(args.config, args.overrides)
         _single_process_env()
-        world = int(os.environ["WORLD_SIZE"])
+        from .run_dir import plan_start
+        # the run directory's config.yaml decides a resume: every rank reads it alike
+        start = plan_start(cfg, given_keys(args.config, args.overrides), warn=rank == 0)
+        cfg = start.cfg
         layout = validate_layout(cfg, world)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        report_error(f"config error: {e}", rank, world, same_on_every_rank=True)
         return 2
+    except CheckpointError as e:
+        report_error(f"error: {e}", rank, world, same_on_every_rank=True)
+        return 2
+    if rank == 0:
+        print(f"moe_trainer: {cfg.model.arch} on {world} rank(s) into {os.path.abspath(cfg.run.out_dir)}; "
+              f"setting up kernels, the process group, the model and the DeepSpeed engine", flush=True)
     from torch.distributed import DistError
 
     from .kernels import KernelConfigError
     from .parallel.launch import shutdown_distributed
     from .trainer import TrainingHalted
 
-    rank = int(os.environ["RANK"])
     try:
-        trainer = make_trainer(cfg, layout)
+        trainer = make_trainer(cfg, layout, start)
         trainer.train()
     except (DataError, CheckpointError, ConfigError, HFFormatError, KernelConfigError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        report_error(f"error: {e}", rank, world, same_on_every_rank=False)
         return 2
     except TrainingHalted as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        report_error(f"error: {e}", rank, world, same_on_every_rank=False)
         return 3
     except DistError as e:  # a collective timed out (NCCL's watchdog, gloo's timeout) or a peer went away
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: rank {rank}: a collective failed ({first[:300]}); a peer rank died or waited longer "
-              f"than parallel.timeout_s={cfg.parallel.timeout_s} s.", file=sys.stderr, flush=True)
+        report_error(f"error: rank {rank}: a collective failed ({first[:300]}); a peer rank died or waited longer "
+                     f"than parallel.timeout_s={cfg.parallel.timeout_s} s.", rank, world, same_on_every_rank=False)
         return 4
     shutdown_distributed()
     if rank == 0:

@@ -18,16 +18,17 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import checkpoint
+from . import checkpoint, run_dir
 from .config import Config, Layout, TrainConfig
-from .data import open_data
+from .data import data_dir, open_data
 from .expert_load import imbalance_stats, write_expert_load
 from .hf import load_initial_weights
 from .metrics import MetricSink, peak_memory_gb, peak_tflops, train_flops_per_token
 from .models.registry import build_model, moe_layers
 from .moe import balance
 from .noise_scale import MicroGradNorms, NoiseScale, ReducedGradNorm
-from .parallel.comm import CommCounter, all_reduce_small, enable_shm_transport, route_deepspeed_collectives
+from .parallel.comm import (CommCounter, all_reduce_small, count_deepspeed_collectives, enable_shm_transport,
+                            route_deepspeed_collectives)
 from .parallel.context import shard_sequence
 from .parallel.mesh import DeepSpeedMPU, Mesh
 from .parallel.pipeline import PipelineExecutor, Trace, build_stage
@@ -104,8 +105,10 @@ class StepClock:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, mesh: Mesh, device: torch.device):
-        self.cfg, self.mesh, self.device = cfg, mesh, device
+    def __init__(self, cfg: Config, mesh: Mesh, device: torch.device, start: Optional[run_dir.Start] = None):
+        """`start`: what moe_trainer.train decided before the process group (the checkpoint to
+        resume, the config's changes); None decides it in train(), counting every key as given."""
+        self.cfg, self.mesh, self.device, self.start = cfg, mesh, device, start
         self.layout: Layout = mesh.layout
         self.is_logger = mesh.rank == 0
         self.out_dir = Path(cfg.run.out_dir)
@@ -127,6 +130,8 @@ class Trainer:
         self.engine = build_engine(self.model, cfg, self.layout, mpu=DeepSpeedMPU(mesh))
         if shm:
             route_deepspeed_collectives()
+        # ZeRO's gradient reductions and parameter gathers, counted like the all-to-alls
+        count_deepspeed_collectives(self.comm, {mesh.group("dpcp"): "dp", mesh.group("edp"): "edp"})
         self.executor = self._build_executor() if self.pipelined else None
         # the critical batch size: per-micro-batch gradient norms vs the reduced one
         # (one micro-batch per optimizer step has nothing to compare: no hooks then)
@@ -168,9 +173,14 @@ class Trainer:
         enable_shm_transport(None, ring_bytes=SMALL_RING_BYTES, timeout_s=t)
 
     def prepare_run_dir(self) -> None:
+        """Decide the start if moe_trainer.train did not; rank 0 records it (config_history.jsonl,
+        config.yaml, the tokenizer, the MFU peak) and says what it decided."""
+        if self.start is None:
+            self.start = run_dir.plan_start(self.cfg, None, warn=self.is_logger)
         if self.is_logger:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            checkpoint.atomic_write_text(self.out_dir / "config.yaml", self.cfg.to_yaml())
+            run_dir.print_lines(run_dir.describe(self.start))
+            run_dir.record_start(self.start, self.layout.world, (self.peak, self.peak_source),
+                                 data_dir(self.cfg.data.path))
         self.barrier()
 
     def open_sink(self) -> None:
@@ -184,7 +194,7 @@ class Trainer:
             dist.barrier()
 
     def maybe_resume(self) -> None:
-        found = checkpoint.find_resume(self.out_dir, self.cfg.train.resume, warn=self.is_logger)
+        found = self.start.checkpoint
         if found is not None:
             self.step = checkpoint.load(found, self)
             if self.is_logger:
@@ -194,6 +204,8 @@ class Trainer:
     def train(self) -> dict:
         self.prepare_run_dir()
         self.maybe_resume()
+        if self.is_logger:
+            print(run_dir.banner(self, self.start), flush=True)
         self.open_sink()
         signal.signal(signal.SIGTERM, self._on_sigterm)
         t = self.cfg.train

@@ -3,10 +3,9 @@
 # tokens/s, bytes per step by collective, parameter + optimizer memory per rank, next to tools/plan.py.
 #   ./scripts/bench_layouts.sh [--steps 3] [--only ep,dense] [--json rows.json]
 # Writes nothing but stdout (and --json); docs/BENCHMARKS_layouts.md holds a recorded run.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-  export DS_ACCELERATOR=cpu
-fi
+# Makes .venv if missing and installs the project with its test extras, as train.sh and test.sh do;
+# DS_ACCELERATOR=cpu where there is no GPU.
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+install_project "[test]"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec .venv/bin/python -m moe_trainer.bench_layouts "$@"

@@ -5,11 +5,9 @@
 # (see docs/BENCHMARKS_pp.md).
 # Usage: scripts/bench_pp.sh [--parts bubble,memory,recompute] [--pps 2,4] [--ms 1,4,8,16] [--real-gpipe]
 #                            [--seq 512] [--budget-mbs 4] [--out JSON] [--timeline PNG]
-set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
-if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
-  export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
-fi
+# Makes .venv if missing and installs the project with its test extras (the peers: transformers), as
+# train.sh and test.sh do; DS_ACCELERATOR=cpu where there is no GPU.
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+install_project "[test]"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec .venv/bin/python -m moe_trainer.bench_pp "$@"

@@ -155,3 +155,27 @@ def cpu_kernels_built():
     process, spawned ranks included, loads the cached copy)."""
     from moe_trainer.kernels.cpu import extension as cpu_kernels
     cpu_kernels.kernels()
+
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven experts route every token to "
+         "their shared stage and the pipeline keeps its bubble small under one plain schedule").split()
+
+
+def toy_documents(n: int, seed: int = 0) -> list[str]:
+    """n short English-like documents (seeded), for training a tokenizer and a tiny run."""
+    import random
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 80))) + "." for _ in range(n)]
+
+
+def train_tokenizer(path: Path, vocab_size: int = 400, eos: str = "<|endoftext|>") -> Path:
+    """A byte-level BPE trained in-process on toy_documents (no download), saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [eos] if eos else []
+    tok.train_from_iterator(toy_documents(200), trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+    return path

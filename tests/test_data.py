@@ -132,3 +132,39 @@ def test_default_corpus_is_the_stdlib():
     assert default_corpus_dir() == path  # cached, same place
     h = unigram_entropy(np.asarray(train.tokens[:2_000_000]), 320)
     assert 2.5 < h < 4.0  # Python source as bytes
+
+
+def test_a_tokenizer_s_own_end_of_text_separates_documents_and_travels(tmp_path):
+    from tokenizers import Tokenizer
+    from conftest import toy_documents, train_tokenizer
+    tok_file = train_tokenizer(tmp_path / "tokenizer.json")
+    tok = Tokenizer.from_file(str(tok_file))
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("\n".join(json.dumps({"text": t}) for t in toy_documents(40)))
+    index = prepare([str(docs)], str(tmp_path / "tokens"), str(tok_file), val_fraction=0.2)
+    eos = tok.token_to_id("<|endoftext|>")
+    assert index["eos_id"] == eos and index["tokenizer"]["eos_token"] == "<|endoftext|>"
+    n = tok.get_vocab_size()
+    assert index["vocab_size"] == (n + 63) // 64 * 64 > 320  # padded to a multiple of 64, no extra id
+    train = np.fromfile(tmp_path / "tokens" / "train.bin", dtype=np.uint16)
+    assert (train == eos).sum() == index["splits"]["train"]["documents"] and train.max() < n
+    assert (tmp_path / "tokens" / "tokenizer.json").read_text() == tok_file.read_text()
+    cfg = json.loads((tmp_path / "tokens" / "tokenizer_config.json").read_text())
+    assert cfg["eos_token"] == "<|endoftext|>" and cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    # a tokenizer without an end-of-text token: one sentence pointing at --eos-token
+    bare = train_tokenizer(tmp_path / "bare.json", eos="")
+    with pytest.raises(DataError, match="no end-of-text token.*--eos-token"):
+        prepare([str(docs)], str(tmp_path / "t2"), str(bare))
+    assert not (tmp_path / "t2").exists()
+
+
+def test_the_byte_tokenizer_reads_and_writes_the_default_corpus_ids():
+    from tokenizers import Tokenizer
+    from moe_trainer.data import byte_tokenizer_files
+    path = default_corpus_dir()
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    text = "def f(x):\n\treturn x  # héllo ✓\n"
+    assert tok.encode(text).ids == list(text.encode())
+    assert tok.decode(list(text.encode())) == text
+    assert tok.token_to_id("<|endoftext|>") == EOS_ID and tok.get_vocab_size() == 259
+    assert (path / "tokenizer.json").read_text() == byte_tokenizer_files()["tokenizer.json"]

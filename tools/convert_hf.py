@@ -10,10 +10,14 @@ import: a DeepSeek-V3 (DeepseekV3ForCausalLM, FP8 or not) or Llama (LlamaForCaus
 export: our weights (a safetensors file of our names, or a run checkpoint directory
   such as runs/X/checkpoints/step_N/) and the run's config -> a directory that
   transformers.AutoModelForCausalLM.from_pretrained loads. Without --config, the
-  config.yaml of the run directory holding the checkpoint is used.
+  config.yaml of the run directory holding the checkpoint is used. The tokenizer
+  (tokenizer.json, tokenizer_config.json: the run directory's, else the data's)
+  goes with it, its special-token ids in config.json and generation_config.json,
+  so AutoTokenizer.from_pretrained(OUT_DIR) and generate work on the export.
 """
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -53,7 +57,41 @@ def cmd_export(args) -> str:
     hf.load_weights_file(model, weights)
     out = hf.to_hf(model, args.out_dir, dtype=DTYPES[args.dtype], stacked_experts=args.stacked_experts,
                    overwrite=args.overwrite)
-    return f"wrote {out} (config.json + safetensors, {args.dtype}) for transformers' AutoModelForCausalLM"
+    with tempfile.TemporaryDirectory() as scratch:
+        source = tokenizer_dir(args, cfg, Path(config).parent, Path(scratch))
+        try:
+            if source is None:
+                raise hf.HFFormatError("neither the run directory nor the data of the config holds this model's "
+                                       "tokenizer")
+            ids = hf.export_tokenizer(out, source)
+        except hf.HFFormatError as e:
+            if args.tokenizer:
+                raise
+            print(f"warning: {e}; the export has no tokenizer (--tokenizer DIR gives one)", file=sys.stderr)
+            return f"wrote {out} (config.json + safetensors, {args.dtype}) for transformers' AutoModelForCausalLM"
+    return (f"wrote {out} (config.json + safetensors, {args.dtype}; tokenizer with {ids}) for transformers' "
+            f"AutoModelForCausalLM and AutoTokenizer")
+
+
+def tokenizer_dir(args, cfg, config_dir: Path, scratch: Path):
+    """Where the export's tokenizer comes from: --tokenizer, else the run directory's files, else
+    those of the config's data if the model's vocabulary is the data's (the default corpus's byte
+    tokenizer written into `scratch`); None if there is none."""
+    from moe_trainer.data import DataError, byte_tokenizer_files, data_vocab_size
+    if args.tokenizer:
+        return Path(args.tokenizer)
+    if (config_dir / "tokenizer.json").is_file():
+        return config_dir
+    try:
+        if data_vocab_size(cfg.data.path) != cfg.model.vocab_size:
+            return None  # e.g. an imported model: its config's data is not what it was trained on
+    except DataError:
+        return None
+    if cfg.data.path:
+        return Path(cfg.data.path) if (Path(cfg.data.path) / "tokenizer.json").is_file() else None
+    for name, text in byte_tokenizer_files().items():
+        (scratch / name).write_text(text)
+    return scratch
 
 
 def parser() -> argparse.ArgumentParser:
@@ -74,6 +112,8 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--stacked-experts", action="store_true",
                      help="write experts stacked (gate_up_proj / down_proj) instead of one tensor per expert")
     exp.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    exp.add_argument("--tokenizer", help="directory with tokenizer.json + tokenizer_config.json (default: the run "
+                                         "directory's, else its data's)")
     exp.set_defaults(run=cmd_export)
     return ap
 

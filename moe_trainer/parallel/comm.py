@@ -325,3 +325,54 @@ def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group, counter: Optional
                              tag: str = "tp") -> torch.Tensor:
     """Sum the ranks' x and keep this rank's 1/g slice of `dim`; the grad is all-gathered back."""
     return _ReduceScatterAlongDim.apply(x, dim, group, counter, tag)
+
+
+# ----------------------------------------------------------------------------- DeepSpeed's ZeRO traffic
+
+def _bus_bytes(name: str, args, g: int) -> int:
+    """Bytes one rank sends in deepspeed.comm call `name` over g ranks (the ring counts above)."""
+    if name == "all_reduce":
+        return 2 * (g - 1) * _nbytes(args["tensor"]) // g
+    if name == "reduce":
+        return (g - 1) * _nbytes(args["tensor"]) // g
+    if name == "reduce_scatter_tensor":
+        return (g - 1) * _nbytes(args["input_tensor"]) // g
+    if name == "all_gather_into_tensor":
+        return (g - 1) * _nbytes(args["input_tensor"])
+    return (g - 1) * _nbytes(args["tensor"])  # all_gather into a list
+
+
+def count_deepspeed_collectives(counter: CommCounter, groups: dict) -> bool:
+    """Count deepspeed.comm's reductions and gathers on `groups` ({process group: name}) in
+    `counter` as "zero_<name>_<collective>", sent = received = the ring's bytes: what ZeRO's
+    gradient reductions and parameter all-gathers move, beside the all-to-alls' counts. Wraps
+    the backend's methods as they are now (after route_deepspeed_collectives, so the
+    shared-memory routes are counted too); a later call moves the counting to its counter and
+    groups. True if the counting is in place."""
+    import inspect
+    from deepspeed.comm import comm as ds_comm
+    backend = ds_comm.cdb
+    if backend is None:
+        return False
+    wrapped = hasattr(backend, "_moe_trainer_counting")
+    backend._moe_trainer_counting = (counter, {g: n for g, n in groups.items() if g is not None})
+    if wrapped:
+        return True
+
+    def wrap(name: str, base):
+        signature = inspect.signature(base)
+
+        def call(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            now, names = backend._moe_trainer_counting
+            kind = names.get(bound.arguments.get("group"))
+            if kind is not None:
+                g = dist.get_world_size(bound.arguments["group"])
+                _count(now, f"zero_{kind}_{name}", _bus_bytes(name, bound.arguments, g))
+            return base(*args, **kwargs)
+        return call
+
+    for name in ("all_reduce", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather"):
+        setattr(backend, name, wrap(name, getattr(backend, name)))
+    return True

@@ -1,0 +1,245 @@
+"""The run directory keeps its word: its config.yaml is what a resume continues.
+
+A start that resumes a checkpoint in a run directory with a config.yaml begins
+from that saved config. The keys the command gives itself (in its YAML file or a
+`--set`) that differ from it are either
+- RESUMABLE (layout, length, checkpoint and logging cadence, metrics, debug):
+  taken, printed and recorded; or
+- anything else (data, model, seed, batch size, optimizer, dtype): they change
+  what is trained, so the start stops with one sentence naming the key and both
+  values, unless `train.resume_allow` lists the key (or its section).
+Keys the command leaves at their defaults keep the saved values, so a forgotten
+`--set data.path=...` cannot switch a run's corpus; only PER_JOB keys (when this
+job stops, what it resumes, fault injection) are always the command's.
+
+Every start appends one line to `config_history.jsonl` (time, world, what it
+resumed, what changed, the MFU peak used, the whole config) before config.yaml
+is replaced, so no config a run ran with is lost. A start also copies the data's
+tokenizer files into the run directory and writes `peak_tflops.json`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from .config import Config, ConfigError, config_from_dict, flatten
+
+# keys a resume may change: they decide how and how long the same training runs, not what it computes
+RESUMABLE = ("run.out_dir", "train.max_steps", "train.stop_at_step", "train.micro_batch_size",
+             "train.checkpoint_every", "train.keep_checkpoints", "train.resume", "train.resume_allow",
+             "train.init_from", "train.log_every", "train.eval_every", "train.eval_batches", "train.max_nan_skips",
+             "train.keep_freed_memory", "model.moe_impl", "parallel.", "metrics.", "debug.")
+# keys of one job, not of the run: always the command's (set or default), never carried over from the saved config
+PER_JOB = ("train.stop_at_step", "train.resume", "train.resume_allow", "debug.")
+HISTORY = "config_history.jsonl"
+
+
+def resumable(key: str, allow: list) -> bool:
+    """May a resume change `key`? RESUMABLE (a trailing dot: a whole section), or listed in
+    train.resume_allow (a key, or a section name)."""
+    if _matches(key, RESUMABLE):
+        return True
+    return any(key == a or key.startswith(f"{a}.") for a in allow)
+
+
+def _matches(key: str, patterns: tuple) -> bool:
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
+
+
+@dataclass
+class Start:
+    """What a start does, decided before any process group exists (every rank decides the same)."""
+
+    cfg: Config  # the config this start runs with
+    checkpoint: Optional[Path] = None  # to resume from
+    changes: dict = field(default_factory=dict)  # key -> (saved value, this start's value), accepted
+    fresh_over: bool = False  # a fresh start in a directory that held a run's config
+    from_saved: bool = False  # a resume that continues the run directory's config.yaml
+
+
+def _load_saved(path: Path) -> Config:
+    try:
+        return config_from_dict(yaml.safe_load(path.read_text()) or {})
+    except (yaml.YAMLError, OSError) as e:
+        raise ConfigError(f"the run directory's {path} is unreadable ({str(e).splitlines()[0]}); move it away "
+                          f"to start over.") from None
+    except ConfigError as e:
+        raise ConfigError(f"the run directory's {path} is not a valid config ({e})") from None
+
+
+def plan_start(cfg: Config, given: Optional[set] = None, warn: bool = True) -> Start:
+    """This start: the checkpoint train.resume picks in run.out_dir, and the config to run with.
+
+    `given`: the keys the command set itself (config.given_keys); None counts every key as
+    given (a caller that built its Config in code). Raises ConfigError (one sentence) when a
+    resume would change what is trained."""
+    from .checkpoint import find_resume
+    out = Path(cfg.run.out_dir)
+    checkpoint = find_resume(out, cfg.train.resume, warn=warn)
+    saved_file = out / "config.yaml"
+    if not saved_file.is_file():
+        return Start(cfg, checkpoint)
+    if checkpoint is None:
+        return Start(cfg, None, fresh_over=True)
+    saved = _load_saved(saved_file)
+    merged, changes = merge_for_resume(saved, cfg, given, saved_file)
+    return Start(merged, checkpoint, changes, from_saved=True)
+
+
+def merge_for_resume(saved: Config, now: Config, given: Optional[set], where: Path) -> tuple[Config, dict]:
+    """The saved config with the command's differing keys applied, and those changes; a key
+    that may not change stops the start."""
+    old, new = flatten(saved.to_dict()), flatten(now.to_dict())
+    keys = set(new) if given is None else set(given) | {k for k in new if _matches(k, PER_JOB)}
+    changes = {}
+    for key in sorted(keys):
+        if key not in old or key not in new or old[key] == new[key]:
+            continue
+        if new[key] == "auto":  # train.dtype, model.vocab_size: the saved config holds what auto resolved to
+            continue
+        if not resumable(key, now.train.resume_allow):
+            raise ConfigError(
+                f"{key} would change what the resumed run trains ({where} has {old[key]!r}, this command gives "
+                f"{new[key]!r}); drop the setting to resume with the saved value, allow the change with --set "
+                f"train.resume_allow=[{key}], or start a new run with another run.out_dir (or "
+                f"train.resume=none to start over in this one).")
+        changes[key] = (old[key], new[key])
+    merged = saved.to_dict()
+    for key, (_, value) in changes.items():
+        section, name = key.split(".", 1)
+        merged[section][name] = value
+    return config_from_dict(merged), changes
+
+
+def describe(start: Start) -> list[str]:
+    """Console lines about this start's decisions (rank 0 prints them)."""
+    lines = []
+    if start.from_saved and start.changes:
+        changed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in start.changes.items())
+        lines.append(f"resuming with the run directory's config.yaml, changed: {changed} (recorded in {HISTORY})")
+    elif start.from_saved:
+        lines.append("resuming with the run directory's config.yaml, unchanged")
+    elif start.checkpoint is not None:
+        lines.append(f"resuming {start.checkpoint} with this command's config (a new run directory)")
+    if start.fresh_over:
+        lines.append(f"warning: {start.cfg.run.out_dir} holds a run's config.yaml but no checkpoint to resume "
+                     f"(train.resume={start.cfg.train.resume}); starting from step 0, its previous configs stay "
+                     f"in {HISTORY}")
+    return lines
+
+
+def record_start(start: Start, world: int, peak: tuple[float, str], data_dir: Optional[Path]) -> None:
+    """Rank 0: append this start to config_history.jsonl, then write config.yaml, the data's tokenizer
+    files and peak_tflops.json (each file replaced atomically)."""
+    from .checkpoint import atomic_write_text
+    out = Path(start.cfg.run.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world": world,
+             "resumed_from": str(start.checkpoint) if start.checkpoint else None,
+             "changes": {k: [old, new] for k, (old, new) in start.changes.items()},
+             "peak_tflops": peak[0], "peak_source": peak[1], "config": start.cfg.to_dict()}
+    saved = out / "config.yaml"
+    with open(out / HISTORY, "a") as f:
+        if f.tell() == 0 and saved.is_file():  # a run from before the history: keep the config it ran with
+            old = yaml.safe_load(saved.read_text())
+            f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(saved.stat().st_mtime)),
+                                "note": "config.yaml found before the history began", "config": old}) + "\n")
+        f.write(json.dumps(entry) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    atomic_write_text(out / "config.yaml", start.cfg.to_yaml())
+    atomic_write_text(out / "peak_tflops.json", json.dumps({"peak_tflops": peak[0], "source": peak[1],
+                                                            "dtype": start.cfg.train.dtype}, indent=1) + "\n")
+    copy_tokenizer(data_dir, out)
+
+
+def copy_tokenizer(src: Optional[Path], dst: Path) -> list[str]:
+    """The tokenizer files (data.TOKENIZER_FILES) of a token or run directory into another one."""
+    from .data import TOKENIZER_FILES
+    copied = []
+    for name in TOKENIZER_FILES:
+        if src is not None and (Path(src) / name).is_file():
+            tmp = dst / f".{name}.tmp{os.getpid()}"
+            shutil.copyfile(Path(src) / name, tmp)
+            os.replace(tmp, dst / name)
+            copied.append(name)
+    return copied
+
+
+# ----------------------------------------------------------------------------- the banner
+
+def parameter_counts(model_cfg) -> tuple[int, int]:
+    """(total, activated per token) parameters of the whole model (MTP included), from a meta-device
+    build: a token runs num_experts_per_tok of each MoE layer's n_routed_experts."""
+    import torch
+    from .models.registry import ARCHS
+    with torch.device("meta"):
+        model = ARCHS[model_cfg.arch](model_cfg)
+    total = routed = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if ".mlp.experts." in name:
+            routed += p.numel()
+    idle = routed * (1 - model_cfg.num_experts_per_tok / model_cfg.n_routed_experts) if routed else 0
+    return total, int(total - idle)
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(int(n))
+
+
+def banner(trainer, start: Start) -> str:
+    """What this start decided, printed by rank 0 before the first step."""
+    cfg, lay = trainer.cfg, trainer.layout
+    t, m, p = cfg.train, cfg.model, cfg.parallel
+    total, active = parameter_counts(m)
+    mine = sum(q.numel() for q in trainer.engine.module.parameters())
+    from .data import BYTE_SPECIALS
+    index = trainer.data_index
+    splits, tok = index["splits"], index.get("tokenizer", {})
+    eos = tok.get("eos_token") or BYTE_SPECIALS.get(tok.get("eos_id"), tok.get("eos_id"))  # older indexes: an id
+    data = cfg.data.path or "the default corpus (standard-library .py files as bytes)"
+    if start.checkpoint is not None:
+        source = f"resumed from {start.checkpoint} at step {trainer.step}"
+    elif t.init_from:
+        source = f"weights from {t.init_from} (train.init_from), step 0"
+    else:
+        source = f"fresh initialisation from run.seed {cfg.run.seed}, step 0"
+    out = Path(cfg.run.out_dir).resolve()
+    tokens = t.global_batch_size * t.seq_len
+    lines = [
+        f"world {lay.world}: dp {lay.dp}, ep {lay.ep} (expert-dp {lay.edp}), pp {lay.pp} "
+        f"(virtual stages {getattr(p, 'virtual_stages', 1)}, schedule {p.schedule}), tp {lay.tp}, cp {lay.cp}; "
+        f"{lay.grad_accum} micro-batch{'es' if lay.grad_accum != 1 else ''} of {t.micro_batch_size} per step, "
+        f"{t.dtype}",
+        f"model {m.arch}: {_count(total)} parameters, {_count(active)} activated per token, "
+        f"{_count(mine)} on this rank (rank 0); vocab {m.vocab_size}",
+        f"tokens per step {tokens:,} ({t.global_batch_size} sequences x {t.seq_len}); {t.max_steps} steps",
+        f"data {data}: {splits['train']['num_tokens']:,} train / {splits['val']['num_tokens']:,} val tokens, "
+        f"vocab {index['vocab_size']}, documents end with {eos!r}",
+        f"start: {source}",
+        f"MFU peak {trainer.peak:.3g} TFLOP/s per rank ({trainer.peak_source})",
+        f"run directory {out}  (config history: {HISTORY})",
+        f"tensorboard --logdir {out / 'tensorboard'}",
+    ]
+    return "\n".join(["=" * 20 + " moe_trainer " + "=" * 20, *lines, "=" * 53])
+
+
+def print_lines(lines: list[str], stream=sys.stdout) -> None:
+    for line in lines:
+        print(line, file=stream, flush=True)
+
+
+__all__ = ["RESUMABLE", "HISTORY", "Start", "plan_start", "merge_for_resume", "record_start", "banner",
+           "parameter_counts", "copy_tokenizer", "describe", "resumable"]
