@@ -12,4 +12,4 @@ if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
   export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec .venv/bin/python -m moe_trainer.bench_pp "$@"
+exec .venv/bin/python -m moe_trainer.bench.pp "$@"

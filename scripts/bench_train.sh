@@ -9,4 +9,4 @@ cd "$ROOT"
 if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
   export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 fi
-exec .venv/bin/python -m moe_trainer.bench_train "$@"
+exec .venv/bin/python -m moe_trainer.bench.train "$@"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 # master ports below the ephemeral range: a concurrent job's own connections never take one first
-from moe_trainer.bench_turns import free_port, worker_env  # noqa: F401  (free_port: used by the tests)
+from moe_trainer.bench.turns import free_port, worker_env  # noqa: F401  (free_port: used by the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent

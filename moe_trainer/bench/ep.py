@@ -1,11 +1,11 @@
 """Expert-parallel throughput: our trainer at world 1/2/4 (fp32, bf16) and DeepSpeed AutoEP as the peer.
 
-    python -m moe_trainer.bench_ep [--steps 40] [--warmup 8] [--worlds 1,2,4] [--out FILE.json]
+    python -m moe_trainer.bench.ep [--steps 40] [--warmup 8] [--worlds 1,2,4] [--out FILE.json]
 
-Each configuration runs under the deepspeed launcher (`--module moe_trainer.bench_ep --worker ...`).
+Each configuration runs under the deepspeed launcher (`--module moe_trainer.bench.ep --worker ...`).
 The configurations of one world size and dtype (ours with dedup off and on, the peer with glibc's
 allocator and with ours) start together and take turns one optimizer step at a time
-(bench_turns.py: while one steps on all its ranks, the others sleep), so a slow spell of the
+(bench/turns.py: while one steps on all its ranks, the others sleep), so a slow spell of the
 shared machine costs each of them about the same steps; every column is a median over the timed
 steps.
 Our worker builds the Trainer exactly as moe_trainer.train does and times `train_step()`:
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/moe_tiny.yaml"  # hidden 256, 16 routed experts top-4 (4 groups, top-2 groups), 3 MoE layers
 GLOBAL_BATCH, MICRO_BATCH, SEQ = 8, 2, 256
 
@@ -71,13 +71,13 @@ def worker_ours(a) -> None:
     import torch
     import torch.distributed as dist
 
-    from . import plan
-    from .bench_turns import Turns
-    from .config import load_config, validate_layout
-    from .expert_load import imbalance_stats
-    from .parallel.launch import keep_freed_memory
-    from .parallel.mesh import build_mesh
-    from .trainer import Trainer
+    from .. import plan
+    from .turns import Turns
+    from ..config import load_config, validate_layout
+    from ..expert_load import imbalance_stats
+    from ..parallel.launch import keep_freed_memory
+    from ..parallel.mesh import build_mesh
+    from ..trainer import Trainer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = load_config(CONFIG, overrides(world, a.dtype, a.steps, a.run_dir, a.dedup))
@@ -114,16 +114,16 @@ def worker_autoep(a) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from .bench_turns import Turns
-    from .config import load_config
-    from .data import open_data
+    from .turns import Turns
+    from ..config import load_config
+    from ..data import open_data
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     cfg = load_config(CONFIG, overrides(world, a.dtype, a.steps, a.run_dir, False))
     _init(world)
     if a.keep_freed:  # the peer under our trainer's allocator setting, for a same-setting comparison
-        from .parallel.launch import keep_freed_memory
+        from ..parallel.launch import keep_freed_memory
         keep_freed_memory()
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(a.hf, dtype=dtype)
@@ -166,13 +166,13 @@ def worker_autoep(a) -> None:
 def worker_cmd(impl: str, world: int, dtype: str, steps: int, run_dir: Path, turns: str, dedup: bool = False,
                hf: str = "", keep_freed: bool = False) -> tuple[list[str], str]:
     """The launcher command of one configuration, and how the results show it."""
-    from .bench_turns import free_port
+    from .turns import free_port
     args = ["--worker", impl, "--dtype", dtype, "--steps", str(steps)] + (["--dedup"] if dedup else []) + \
         (["--keep-freed"] if keep_freed else [])
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(world), "--master_port", str(free_port()),
-           "--module", "moe_trainer.bench_ep", *args, "--run-dir", str(run_dir), "--turns", turns] + \
+           "--module", "moe_trainer.bench.ep", *args, "--run-dir", str(run_dir), "--turns", turns] + \
         (["--hf", hf] if hf else [])
-    shown = f"deepspeed --num_gpus {world} --module moe_trainer.bench_ep {' '.join(args)}" + \
+    shown = f"deepspeed --num_gpus {world} --module moe_trainer.bench.ep {' '.join(args)}" + \
         (" --hf <to_hf export>" if hf else "")
     return cmd, shown
 
@@ -180,9 +180,9 @@ def worker_cmd(impl: str, world: int, dtype: str, steps: int, run_dir: Path, tur
 def export_hf(tmp: Path, dtype: str) -> str:
     import torch
 
-    from .config import load_config
-    from .hf import to_hf
-    from .models.registry import build_model
+    from ..config import load_config
+    from ..hf import to_hf
+    from ..models.registry import build_model
     cfg = load_config(CONFIG, overrides(1, dtype, 1, str(tmp / "export"), False))
     model = build_model(cfg.model, cfg.run.seed)  # the same seeded init every rank of our trainer starts from
     path = tmp / f"hf_{dtype}"
@@ -210,7 +210,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="moe_trainer.bench_ep", description=__doc__,
+    ap = argparse.ArgumentParser(prog="moe_trainer.bench.ep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", choices=["ours", "autoep"], help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="fp32")
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
 
 def run_group(world: int, dtype: str, a, tmp: Path, hf: str, ours: bool, peer: bool) -> dict:
     """One world size and dtype: its configurations as jobs stepping in turns -> table rows."""
-    from .bench_turns import Referee, worker_env
+    from .turns import Referee, worker_env
     jobs = ([("ours", dd) for dd in ([False, True] if world > 1 else [False])] if ours else []) + \
         ([("autoep", kf) for kf in (False, True)] if peer else [])
     referee = Referee()

@@ -358,7 +358,7 @@ def oversubscription(env: Env) -> Optional[str]:
 
 def unlink_shm_segment(env: Env) -> None:
     """See parallel/launch.py: DeepSpeed leaks its /dev/shm workspace."""
-    from .parallel.launch import unlink_shm_segment as unlink
+    from ..parallel.launch import unlink_shm_segment as unlink
     unlink(env.rank)
 
 

@@ -15,7 +15,7 @@ hidden 256, 2 shared, sequence 512, no MTP). Each run is its own job:
   trained on the same batches by a plain loop (forward, CE loss, backward, step).
 
 The jobs of one dtype start together and take turns one optimizer step at a time
-(bench_turns.py): while one job steps, the others sleep. This shared VM's speed
+(bench/turns.py): while one job steps, the others sleep. This shared VM's speed
 moves 15-20% between minutes, and whole runs one after the other let a slow minute
 land on one of them; turn by turn, it costs every job about the same steps. The
 parent measures the matmul roofline (metrics.measure_matmul_tflops, all cores)
@@ -35,9 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe_trainer.bench_turns import free_port, worker_env
+from moe_trainer.bench.turns import free_port, worker_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/moe_bench.yaml"
 RUNS = ["ours1", "hf", "hfk", "ours2"]
 LABELS = {"ours1": "ours, 1 rank (trainer, ZeRO-1)",
@@ -65,7 +65,7 @@ def ours_sets(ranks: int, dtype: str, steps: int, out: Path) -> list[str]:
 
 def worker_ours(ranks: int, dtype: str, args) -> None:
     """One rank of our trainer under the launcher, each step in its turn."""
-    from moe_trainer.bench_turns import Turns, train_in_turns
+    from moe_trainer.bench.turns import Turns, train_in_turns
     from moe_trainer.config import validate_layout
     from moe_trainer.parallel.launch import shutdown_distributed
     from moe_trainer.train import make_trainer
@@ -81,7 +81,7 @@ def worker_ours(ranks: int, dtype: str, args) -> None:
 
 def ours_cmd(ranks: int, dtype: str, args, tmp: Path, turns: str) -> list[str]:
     return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port",
-            str(free_port()), "--module", "moe_trainer.bench_train", "--_worker", f"ours{ranks}:{dtype}",
+            str(free_port()), "--module", "moe_trainer.bench.train", "--_worker", f"ours{ranks}:{dtype}",
             "--steps", str(args.steps), "--out-dir", str(tmp / f"ours{ranks}_{dtype}"), "--turns", turns]
 
 
@@ -93,7 +93,7 @@ def worker_hf(dtype: str, args, keep_freed: bool = False) -> None:
     import torch.nn.functional as F
     import deepspeed
     from transformers import DeepseekV3ForCausalLM
-    from moe_trainer.bench_turns import Turns
+    from moe_trainer.bench.turns import Turns
     from moe_trainer.config import validate_layout
     from moe_trainer.data import open_data
     from moe_trainer.hf import to_hf
@@ -135,7 +135,7 @@ def worker_hf(dtype: str, args, keep_freed: bool = False) -> None:
 
 
 def hf_cmd(run: str, dtype: str, args, turns: str) -> list[str]:
-    return [sys.executable, "-m", "moe_trainer.bench_train", "--_worker", f"{run}:{dtype}", "--steps", str(args.steps),
+    return [sys.executable, "-m", "moe_trainer.bench.train", "--_worker", f"{run}:{dtype}", "--steps", str(args.steps),
             "--hf-experts", args.hf_experts, "--turns", turns]
 
 
@@ -205,7 +205,7 @@ def main(argv=None):
 def run_in_turns(dt: str, runs: list[str], args, tmp: Path) -> dict:
     """Every run of one dtype as a job, stepping in turns; {run: summary or {"error"}, "roofline": best}."""
     import torch
-    from moe_trainer.bench_turns import Referee
+    from moe_trainer.bench.turns import Referee
     from moe_trainer.metrics import measure_matmul_tflops
     referee = Referee()
     try:
@@ -272,7 +272,7 @@ def write_md(args, raw, roof, fpt, results, elapsed):
          f"transformers: experts_implementation={args.hf_experts}, attn_implementation=sdpa, weights from our "
          f"initial model via `hf.to_hf`, same DeepSpeed config (`parallel.zero.deepspeed_config`) and batches. "
          f"Timed: ours (1 rank) and one other run at a time start together and take turns one optimizer "
-         f"step at a time (bench_turns.py: while one runs a step, the other sleeps), and each ratio is "
+         f"step at a time (bench/turns.py: while one runs a step, the other sleeps), and each ratio is "
          f"the two medians of that pairing; ours' row pools its steps of every pairing. Median step over the "
          f"{args.steps - args.warmup} steps after {args.warmup} warm-up steps (min in brackets). MFU = "
          f"tokens/s x FLOP/token / roofline (2 ranks: aggregate against the same all-core roofline).", "",
