@@ -20,6 +20,10 @@ all-to-all, 1 for broadcast and send/recv. Each of `trials` trials times
 `iters` back-to-back calls on every rank and keeps the slowest rank's mean;
 the table shows the median trial (and the fastest and slowest), because a
 shared CPU host makes single means jumpy.
+
+Why one module of ~580 lines: one command, read in the order it runs (sizes, one builder per
+collective, timing, the decomposition check, the report); each piece is short and only this
+benchmark uses them.
 """
 from __future__ import annotations
 
