@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import Config, validate_layout
+from ..config import Config, ConfigError, Layout, validate_layout
 from .comm import (AllToAllBytes, ZeroComm, _kv_bytes_per_token, _passes, alltoall_bytes_expected, context_parallel_bytes,
                    pipeline_bytes, tensor_parallel_bytes, tensor_parallel_extra_bytes, zero_comm)
 from .memory import (ModelStateBytes, RankParams, StageActivations, _stage_blocks, model_state_bytes, rank_params,
@@ -37,6 +37,7 @@ class StagePlan:
     stage: int
     layers: int  # decoder layers
     moe_blocks: int  # MoE layers, the last stage's MTP blocks included
+    mtp_blocks: int  # multi-token-prediction modules (the last stage's; 0 elsewhere)
     params: RankParams
     states: ModelStateBytes  # under the plan's ZeRO stage and precision
     activations: StageActivations
@@ -123,7 +124,25 @@ def _stage_plan(cfg: Config, st: _Setting, partition: list[int], stage: int, par
     blocks = _stage_blocks(cfg.model, partition, stage)
     comm = _stage_comm(cfg, st, stage, blocks, params)
     moe = sum(is_moe_layer(cfg.model, i) for i in blocks)
-    return StagePlan(stage, partition[stage], moe, params, states, acts, act, states.total + act, comm)
+    mtp = mtp_layers(cfg.model) if stage == len(partition) - 1 else 0
+    return StagePlan(stage, partition[stage], moe, mtp, params, states, acts, act, states.total + act, comm)
+
+
+def layout_on(cfg: Config, gpus: int) -> Layout:
+    """The layout of `cfg` on `gpus` GPUs, or a PlanError: one sentence naming --gpus, what it must
+    factor into, and (for pp x tp x cp) the nearest counts that would."""
+    p = cfg.parallel
+    model_par = p.pp * p.tp * p.cp
+    if gpus % model_par:
+        below, above = gpus // model_par * model_par, (gpus // model_par + 1) * model_par
+        nearest = f"{below} or {above}" if below else f"{above}"
+        raise PlanError(f"--gpus {gpus} does not factor into the layout: it must be a multiple of parallel.pp x "
+                        f"parallel.tp x parallel.cp = {p.pp} x {p.tp} x {p.cp} = {model_par} (e.g. --gpus {nearest}).")
+    try:
+        return validate_layout(cfg, gpus)
+    except ConfigError as e:  # the config's own sentence, with the data-parallel size --gpus gives
+        raise PlanError(f"--gpus {gpus} does not factor into the layout (data parallel {gpus // model_par}): "
+                        f"{e}") from None
 
 
 def make_plan(cfg: Config, gpus: int, gpu_memory_gb: float = 80.0, zero: int = 1,
@@ -138,7 +157,7 @@ def make_plan(cfg: Config, gpus: int, gpu_memory_gb: float = 80.0, zero: int = 1
     if gpu_memory_gb <= 0:
         raise PlanError(f"--gpu-memory-gb must be positive, got {gpu_memory_gb}.")
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    layout = validate_layout(cfg, gpus)
+    layout = layout_on(cfg, gpus)
     prec = precision_for(precision, t.dtype)
     partition = stage_partition(cfg)
     alltoall = alltoall_bytes_expected(_tokens_per_rank(cfg), m.num_experts_per_tok, m.hidden_size, p.ep,

@@ -69,19 +69,31 @@ def _state_lines(plan: Plan) -> list[str]:
 
 def _stage_lines(plan: Plan) -> list[str]:
     limit = plan.gpu_memory_gb * GB
-    rows = [[s.stage, s.layers, s.moe_blocks, fmt_count(s.params.dense + s.params.expert), fmt_bytes(s.states.total),
+    rows = [[s.stage, f"{s.layers} + MTP {s.mtp_blocks}" if s.mtp_blocks else s.layers, s.moe_blocks,
+             fmt_count(s.params.dense + s.params.expert), fmt_bytes(s.states.total),
              fmt_bytes(s.activations.per_micro_batch), fmt_bytes(s.activations.per_micro_batch_recompute),
              s.activations.in_flight, fmt_bytes(s.activations.no_recompute), fmt_bytes(s.activations.full_recompute),
              fmt_bytes(s.total), "yes" if s.total <= limit else "**no**"] for s in plan.stages]
-    header = ["stage", "layers", "MoE", "params/rank", "model states", "act/micro-batch", "act/micro-batch recomputed",
-              "in flight", "act no recompute", "act full recompute", f"total ({plan.recompute})",
+    header = ["stage", "layers", "MoE blocks", "params/rank", "model states", "act/micro-batch",
+              "act/micro-batch recomputed", "in flight", "act no recompute", "act full recompute", f"total ({plan.recompute})",
               f"fits {plan.gpu_memory_gb:g} GB"]
     return [f"### Memory per rank by stage (ZeRO-{plan.zero}, `{plan.precision.name}`, recompute {plan.recompute})",
             "", *_table(header, rows), "",
             "Activations (Korthikanti et al. 2022's accounting with flash attention, real MLA/GQA/SwiGLU shapes, "
             "MoE: top-k routed copies per token, fp32 logits on the last stage): in flight = min(pp - stage, "
             "micro-batches) under 1F1B; full recomputation keeps each layer's input plus one layer being "
-            "recomputed. Not counted: communication buffers, allocator fragmentation, CUDA workspaces.", ""]
+            "recomputed. Not counted: communication buffers, allocator fragmentation, CUDA workspaces.", "",
+            *_mtp_note(plan)]
+
+
+def _mtp_note(plan: Plan) -> list[str]:
+    """Name the MTP modules where the last stage counts them (its layers column says `+ MTP n`)."""
+    last = plan.stages[-1]
+    if not last.mtp_blocks:
+        return []
+    return [f"Stage {last.stage} also holds the multi-token-prediction module{'s' if last.mtp_blocks > 1 else ''} "
+            f"(MTP, {last.mtp_blocks}): {'their blocks count' if last.mtp_blocks > 1 else 'its block counts'} in "
+            f"the stage's MoE blocks, parameters and activations, with an extra head and loss per module.", ""]
 
 
 _ZERO_TRAFFIC = {0: "all-reduce of gradients", 1: "all-reduce gradients (as DeepSpeed's stage 1 does) + all-gather "
