@@ -225,6 +225,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--peer-worlds", default="2,4")
     ap.add_argument("--out", default="")
+    ap.add_argument("--mode", choices=("turns", "alone"), default="turns",
+                    help="turns: one world size's configurations take turns step by step (secondary view); alone: "
+                         "the headline, each configuration alone, --rounds rounds alternating the order, AutoEP "
+                         "also at world 1 and ours at ep 1 (bench/headline.py)")
+    ap.add_argument("--rounds", type=int, default=3, help="--mode alone: rounds per configuration")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
@@ -235,6 +240,13 @@ def main(argv=None) -> int:
     worlds = [int(w) for w in a.worlds.split(",") if w]
     dtypes = [d for d in a.dtypes.split(",") if d]
     peer_worlds = [int(w) for w in a.peer_worlds.split(",") if w]
+    if a.mode == "alone":  # AutoEP at every world ours runs, world 1 included
+        with tempfile.TemporaryDirectory(prefix="bench_ep_") as d:
+            result = headline(a, Path(d), worlds, dtypes, sorted(set(worlds) | set(peer_worlds)))
+        if a.out:
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps(result, indent=1))
+        return 0
     rows, cmds = [], []
     with tempfile.TemporaryDirectory(prefix="bench_ep_") as d:
         tmp = Path(d)
@@ -257,6 +269,39 @@ def main(argv=None) -> int:
     if a.out:
         Path(a.out).write_text(json.dumps({"rows": rows, "commands": cmds, "ratios": ratios}, indent=1))
     return 0
+
+
+def headline(a, tmp: Path, worlds: list[int], dtypes: list[str], peer_worlds: list[int]) -> dict:
+    """The headline figures: per dtype and world size, ours (ep = world, so world 1 is ep 1: the
+    gain of expert parallelism apart from the kernels') and AutoEP with our allocator setting (the
+    headline ratio) and with glibc's (the stock column), each alone, --rounds rounds alternating the
+    order (bench/headline.py). {"<dtype> w<world>": {"jobs", "same_allocator", "stock"}}."""
+    from .headline import ratio, run_alone
+    from .turns import worker_env
+    out = {"command": "scripts/bench_ep.sh " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M"),
+           "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds}
+    for dtype in dtypes:
+        hf = export_hf(tmp, dtype)
+        for world in sorted(set(worlds) | set(peer_worlds)):
+            def job(impl: str, keep_freed: bool = False, world=world, dtype=dtype, hf=hf):
+                def factory(turns: str) -> tuple[list[str], dict]:
+                    name = f"{impl}_w{world}_{dtype}_{int(keep_freed)}_{time.monotonic_ns()}"
+                    cmd, _ = worker_cmd(impl, world, dtype, a.steps, tmp / name, turns, dedup=False,
+                                        hf=hf if impl == "autoep" else "", keep_freed=keep_freed)
+                    return cmd, worker_env(max(1, (os.cpu_count() or 1) // world), ROOT)
+                return factory
+            jobs = {"ours": job("ours")} if world in worlds else {}
+            if world in peer_worlds:
+                jobs.update({"autoep_keep_freed": job("autoep", True), "autoep": job("autoep")})
+            res = run_alone(jobs, a.steps, a.warmup, a.rounds, cwd=ROOT, key="step",
+                            split=("compute", "all_to_all", "rest"), tokens_per_step=GLOBAL_BATCH * SEQ)
+            timed = {n for n, r in res.items() if "median_s" in r}
+            out[f"{dtype} w{world}"] = {
+                "jobs": res,
+                "same_allocator": ratio(res["ours"], res["autoep_keep_freed"])
+                if {"ours", "autoep_keep_freed"} <= timed else None,
+                "stock": ratio(res["ours"], res["autoep"]) if {"ours", "autoep"} <= timed else None}
+    return out
 
 
 def run_group(world: int, dtype: str, a, tmp: Path, hf: str, ours: bool, peer: bool) -> dict:

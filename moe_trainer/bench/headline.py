@@ -42,29 +42,32 @@ def run_one_alone(name: str, factory: JobFactory, steps: int, cwd=None) -> tuple
         referee.close()
 
 
-def round_summary(reports: list[dict], warmup: int) -> dict:
-    """One round of one job: the median step time (and split) over the steps after warm-up."""
+SPLIT = ("forward", "backward", "optimizer")  # bench_train's step split; bench_ep's is compute, all_to_all, rest
+
+
+def round_summary(reports: list[dict], warmup: int, key: str = "step_s", split: tuple = SPLIT) -> dict:
+    """One round of one job: the median step time (`key` of each report) and of each part of the
+    split, over the steps after warm-up."""
     timed = reports[warmup:]
     if not timed:
         raise ValueError(f"no timed steps: {len(reports)} steps with warm-up {warmup}")
-    out = {"median_s": statistics.median(s["step_s"] for s in timed), "steps": len(timed)}
-    for key in ("forward", "backward", "optimizer"):
-        if key in timed[0]:
-            out[key] = statistics.median(s[key] for s in timed)
+    out = {"median_s": statistics.median(s[key] for s in timed), "steps": len(timed)}
+    for part in split:
+        if part in timed[0]:
+            out[part] = statistics.median(s[part] for s in timed)
     return out
 
 
-def over_rounds(rounds: list[dict], tokens_per_step: float) -> dict:
+def over_rounds(rounds: list[dict], tokens_per_step: float, split: tuple = SPLIT) -> dict:
     """A job over its rounds: median of the round medians, spread (fastest, slowest round),
     tokens/s at the median, and the step-time split (medians over rounds)."""
     medians = [r["median_s"] for r in rounds]
     out = {"median_s": statistics.median(medians), "fastest_s": min(medians), "slowest_s": max(medians),
            "rounds": medians, "tokens_per_step": tokens_per_step}
     out["tok_s"] = tokens_per_step / out["median_s"]
-    split = {k: statistics.median(r[k] for r in rounds) for k in ("forward", "backward", "optimizer")
-             if all(k in r for r in rounds)}
-    if split:
-        out["split"] = split
+    parts = {k: statistics.median(r[k] for r in rounds) for k in split if all(k in r for r in rounds)}
+    if parts:
+        out["split"] = parts
     return out
 
 
@@ -76,7 +79,8 @@ def ratio(ours: dict, peer: dict) -> dict:
 
 
 def run_alone(jobs: dict[str, JobFactory], steps: int, warmup: int, rounds: int, cwd=None,
-              log: Optional[Callable[[str], None]] = print) -> dict[str, dict]:
+              log: Optional[Callable[[str], None]] = print, key: str = "step_s", split: tuple = SPLIT,
+              tokens_per_step: Optional[float] = None) -> dict[str, dict]:
     """Every job alone, `rounds` rounds, round r starting with job r mod n: {job: over_rounds(...)}
     or {job: {"error": ...}} for a job that failed (it is not run again)."""
     names, per_round, tokens, errors = list(jobs), {n: [] for n in jobs}, {}, {}
@@ -90,12 +94,12 @@ def run_alone(jobs: dict[str, JobFactory], steps: int, warmup: int, rounds: int,
             except RuntimeError as e:
                 errors[name] = str(e)[-3000:]
                 continue
-            tokens[name] = result.get("tokens_per_step", 0)
-            per_round[name].append(round_summary(reports, warmup))
+            tokens[name] = tokens_per_step or result.get("tokens_per_step", 0)
+            per_round[name].append(round_summary(reports, warmup, key, split))
             if log:
                 log(f"round {r + 1}/{rounds} {name}: median step {per_round[name][-1]['median_s']:.3f} s")
     out = {n: {"error": errors[n]} for n in errors}
-    out.update({n: over_rounds(rs, tokens[n]) for n, rs in per_round.items() if rs and n not in errors})
+    out.update({n: over_rounds(rs, tokens[n], split) for n, rs in per_round.items() if rs and n not in errors})
     return out
 
 
@@ -130,7 +134,7 @@ def plot_tokens_per_s(rows: list[tuple[str, dict]], path: Path, title: str) -> N
 
 
 def plot_split(rows: list[tuple[str, dict]], path: Path, title: str) -> None:
-    """Stacked bars of the step-time split (forward, backward, optimizer) per configuration."""
+    """Stacked bars of the step-time split (its parts in order, the rest as "other") per configuration."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -139,9 +143,10 @@ def plot_split(rows: list[tuple[str, dict]], path: Path, title: str) -> None:
         return
     fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(rows)), 3.6))
     bottom = [0.0] * len(rows)
-    for key, color in (("forward", "tab:blue"), ("backward", "tab:orange"), ("optimizer", "tab:green")):
-        vals = [r["split"].get(key, 0.0) for _, r in rows]
-        ax.bar(range(len(rows)), vals, bottom=bottom, label=key, color=color)
+    parts = list(dict.fromkeys(k for _, r in rows for k in r["split"]))
+    for part, color in zip(parts, ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+        vals = [r["split"].get(part, 0.0) for _, r in rows]
+        ax.bar(range(len(rows)), vals, bottom=bottom, label=part, color=color)
         bottom = [b + v for b, v in zip(bottom, vals)]
     rest = [r["median_s"] - b for (_, r), b in zip(rows, bottom)]
     ax.bar(range(len(rows)), [max(v, 0.0) for v in rest], bottom=bottom, label="other", color="tab:gray")
