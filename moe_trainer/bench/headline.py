@@ -123,8 +123,8 @@ def plot_tokens_per_s(rows: list[tuple[str, dict]], path: Path, title: str) -> N
     fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(rows)), 3.6))
     x = range(len(rows))
     tok = [r["tok_s"] for _, r in rows]
-    lo = [t - r["tokens_per_step"] / r["slowest_s"] for t, (_, r) in zip(tok, rows)]
-    hi = [r["tokens_per_step"] / r["fastest_s"] - t for t, (_, r) in zip(tok, rows)]
+    lo = [max(0.0, t - r["tokens_per_step"] / r["slowest_s"]) for t, (_, r) in zip(tok, rows)]
+    hi = [max(0.0, r["tokens_per_step"] / r["fastest_s"] - t) for t, (_, r) in zip(tok, rows)]
     ax.bar(x, tok, yerr=[lo, hi], capsize=4, color="tab:blue")
     ax.set_xticks(list(x), [label for label, _ in rows], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("tokens/s (median over rounds)")
