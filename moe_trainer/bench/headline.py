@@ -146,6 +146,7 @@ def plot_split(rows: list[tuple[str, dict]], path: Path, title: str) -> None:
     parts = list(dict.fromkeys(k for _, r in rows for k in r["split"]))
     for part, color in zip(parts, ("tab:blue", "tab:orange", "tab:green", "tab:red")):
         vals = [r["split"].get(part, 0.0) for _, r in rows]
+        vals = [v if v == v else 0.0 for v in vals]  # NaN: a part the job does not measure (AutoEP's all-to-all)
         ax.bar(range(len(rows)), vals, bottom=bottom, label=part, color=color)
         bottom = [b + v for b, v in zip(bottom, vals)]
     rest = [r["median_s"] - b for (_, r), b in zip(rows, bottom)]
