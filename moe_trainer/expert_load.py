@@ -18,6 +18,10 @@ Command line (`tools/expert_load.py`, see `--help`):
                    --gpus P --out plan.json          redundant-expert placement
                    [--apply RUN_DIR]                 ... also RUN_DIR/expert_placement.json,
                                                      which the run uses at its next start or resume
+
+Why one module of ~620 lines: it is the whole contract of one directory, the format the trainer
+writes and everything the tool does with it, read top to bottom in that order (format, stats,
+report and plots, plan, command line); the placement solvers it calls live in moe/placement/.
 """
 from __future__ import annotations
 

@@ -6,4 +6,4 @@
 # train.sh and test.sh do; DS_ACCELERATOR=cpu where there is no GPU.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 install_project "[test]"
-exec .venv/bin/python -m moe_trainer.bench_ep "$@"
+exec .venv/bin/python -m moe_trainer.bench.ep "$@"

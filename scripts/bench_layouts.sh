@@ -8,4 +8,4 @@
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 install_project "[test]"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec .venv/bin/python -m moe_trainer.bench_layouts "$@"
+exec .venv/bin/python -m moe_trainer.bench.layouts "$@"

@@ -10,4 +10,4 @@
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 install_project "[test]"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec .venv/bin/python -m moe_trainer.bench_pp "$@"
+exec .venv/bin/python -m moe_trainer.bench.pp "$@"

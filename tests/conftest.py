@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 # master ports below the ephemeral range: a concurrent job's own connections never take one first
-from moe_trainer.bench_turns import free_port, worker_env  # noqa: F401  (free_port: used by the tests)
+from moe_trainer.bench.turns import free_port, worker_env  # noqa: F401  (free_port: used by the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -130,20 +130,42 @@ def moe_reference(tmp_path_factory):
     return out
 
 
-def assert_same_losses(one_dir: Path, many_dir: Path, steps=(1, 2, 3, 4, 5)) -> None:
-    """The runs' training losses agree to a relative 1e-4 at every step."""
-    one, many = train_losses(one_dir), train_losses(many_dir)
-    assert sorted(many) == list(steps), many
-    for s in steps:
-        assert abs(one[s] - many[s]) / abs(one[s]) < 1e-4, (s, one[s], many[s])
+def train_grad_norms(out_dir: Path) -> dict[int, float]:
+    """Step -> the global gradient norm before clipping (metrics' `grad_norm`: DeepSpeed's
+    get_global_grad_norm, the norm ZeRO computes from the dp-averaged gradients, summed over
+    pipeline stages and tensor shards, before it scales them down to `train.grad_clip`)."""
+    return {r["step"]: r["grad_norm"] for r in read_metrics(out_dir) if "loss" in r}
+
+
+def assert_same_steps(one_dir: Path, many_dir: Path, steps=(1, 2, 3, 4, 5), rel: float = 1e-4) -> None:
+    """The runs' training losses AND gradient norms before clipping agree to `rel` at every step.
+
+    The losses alone cannot catch a gradient that is off by a uniform factor (summed instead of
+    averaged over a group): clipping and Adam both normalise the scale away, so the updates, the
+    losses and the weights stay equal. The norm before clipping keeps the scale."""
+    for what, read in (("loss", train_losses), ("grad_norm", train_grad_norms)):
+        one, many = read(one_dir), read(many_dir)
+        assert sorted(many) == list(steps), (what, many)
+        for s in steps:
+            assert one[s] > 0 or what == "loss", (what, s, one[s])  # a norm of 0 would mean none was computed
+            assert abs(one[s] - many[s]) <= rel * abs(one[s]), (what, s, one[s], many[s])
+
+
+def checkpoint_weights(out_dir: Path, step: int = 5) -> dict:
+    """The step's model weights, every pipeline stage's part merged (global names)."""
+    from safetensors.torch import load_file
+    merged = {}
+    for f in sorted((Path(out_dir) / "checkpoints" / f"step_{step}").glob("model-pp*.safetensors")):
+        merged.update(load_file(str(f)))
+    assert merged, f"no model-pp*.safetensors in {out_dir}/checkpoints/step_{step}"
+    return merged
 
 
 def assert_same_final_weights(one_dir: Path, many_dir: Path, step: int = 5) -> None:
-    """The step's checkpoints (gathered under global expert ids) hold equal weights (rtol 1e-4)."""
-    from safetensors.torch import load_file
+    """The step's checkpoints (gathered under global expert ids and TP shards, every stage's
+    part) hold equal weights (rtol 1e-4)."""
     import torch
-    a = load_file(str(one_dir / "checkpoints" / f"step_{step}" / "model-pp0.safetensors"))
-    b = load_file(str(many_dir / "checkpoints" / f"step_{step}" / "model-pp0.safetensors"))
+    a, b = checkpoint_weights(one_dir, step), checkpoint_weights(many_dir, step)
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)

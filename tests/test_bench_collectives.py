@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_trainer import bench_collectives as bc
+from moe_trainer.bench import collectives as bc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The step-interleaved benchmark driver (moe_trainer/bench_turns.py) with real job processes:
+"""The step-interleaved benchmark driver (moe_trainer/bench/turns.py) with real job processes:
 jobs step strictly in turn (their steps never overlap in time; each round starts with the next
 job), a multi-rank job's other ranks follow rank 0's turns through a gloo broadcast, a job that
 fails mid-run is reported with its output while the others go on, and a job that never connects
@@ -9,13 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-from moe_trainer.bench_turns import Referee, free_port, worker_env
+from moe_trainer.bench.turns import Referee, free_port, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 JOB = r'''
 import json, os, sys, time
-from moe_trainer.bench_turns import Turns
+from moe_trainer.bench.turns import Turns
 spec, steps, fail_at, log = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 if "RANK" in os.environ:
     import torch.distributed as dist

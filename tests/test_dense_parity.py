@@ -1,11 +1,13 @@
 """The dense Llama 3 layout (tensor + sequence, context, pipeline and data
-parallel) through the real trainer against one rank: the same losses for 5
-steps and the same final weights (gathered into layout-independent names)."""
+parallel) through the real trainer against one rank: the same losses and gradient
+norms before clipping for 5 steps and the same final weights (gathered into
+layout-independent names)."""
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import check, launch, train_losses
+from conftest import (assert_same_final_weights, assert_same_steps, check, launch, train_grad_norms,
+                      train_losses)
 
 DENSE = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=4",
          "model.num_key_value_heads=2", "model.intermediate_size=128", "train.seq_len=32",
@@ -24,13 +26,6 @@ CASES = {
 }
 
 
-def weights(out):
-    merged = {}
-    for f in sorted((out / "checkpoints" / "step_5").glob("model-pp*.safetensors")):
-        merged.update(load_file(str(f)))
-    return merged
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("dense") / "one"
@@ -43,14 +38,8 @@ def test_dense_layout_matches_one_rank(tmp_path, reference, case):
     world, layout = CASES[case]
     out = tmp_path / case
     check(launch(world, out, DENSE + layout, config=CONFIG))
-    one, many = train_losses(reference), train_losses(out)
-    assert sorted(many) == [1, 2, 3, 4, 5]
-    for s in one:
-        assert abs(one[s] - many[s]) / abs(one[s]) < 1e-4, (s, one[s], many[s])
-    a, b = weights(reference), weights(out)
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert_same_steps(reference, out)
+    assert_same_final_weights(reference, out)
 
 
 def test_dense_exact_resume_with_tensor_parallel(tmp_path):
@@ -60,10 +49,12 @@ def test_dense_exact_resume_with_tensor_parallel(tmp_path):
     check(launch(2, straight, steps, config=CONFIG))
     check(launch(2, resumed, steps + ["train.stop_at_step=5"], config=CONFIG))
     check(launch(2, resumed, steps + ["train.resume=auto"], config=CONFIG))
-    a, b = train_losses(straight), train_losses(resumed)
-    assert sorted(b) == list(range(1, 11))
-    for s in a:
-        assert abs(a[s] - b[s]) <= 1e-6 * abs(a[s]), (s, a[s], b[s])
+    for read in (train_losses, train_grad_norms):
+        a, b = read(straight), read(resumed)
+        assert sorted(b) == list(range(1, 11))
+        for s in a:
+            assert abs(a[s] - b[s]) <= 1e-6 * abs(a[s]), (read.__name__, s, a[s], b[s])
+    a = train_losses(straight)
     wa = load_file(str(straight / "checkpoints" / "step_10" / "model-pp0.safetensors"))
     wb = load_file(str(resumed / "checkpoints" / "step_10" / "model-pp0.safetensors"))
     for k in wa:

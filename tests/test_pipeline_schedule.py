@@ -1,7 +1,9 @@
 """The 1F1B order (pure), stage partitioning, activation memory held under 1F1B
 vs GPipe (saved-tensor hooks, no devices involved), and the executed order
 read back from a real run's trace."""
+import itertools
 import json
+import random
 
 import pytest
 import torch
@@ -34,11 +36,38 @@ def test_one_f_one_b_order(pp, m):
     assert theoretical_bubble(pp, m) == pytest.approx((pp - 1) / (m + pp - 1))
 
 
+def _worst_stage(costs, sizes, first_extra=0.0, last_extra=0.0) -> float:
+    """The most expensive stage of a split, the first paying first_extra and the last last_extra."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    stage = [sum(costs[a:a + n]) for a, n in zip(starts, sizes)]
+    stage[0] += first_extra
+    stage[-1] += last_extra
+    return max(stage)
+
+
+def _best_worst_stage(costs, stages, first_extra=0.0, last_extra=0.0) -> float:
+    """Brute force over every contiguous split into non-empty stages."""
+    n = len(costs)
+    return min(_worst_stage(costs, [b - a for a, b in zip((0,) + cuts, cuts + (n,))], first_extra, last_extra)
+               for cuts in itertools.combinations(range(1, n), stages - 1))
+
+
 def test_partition_balances_cost_and_honours_hand_split():
     assert partition([1.0] * 8, 4) == [2, 2, 2, 2]
     assert partition([4, 1, 1, 1, 1], 2) == [1, 4]  # a heavy first layer gets a stage of its own
-    assert partition([1.0] * 6, 3, last_extra=2.0) == [2, 3, 1] or max(
-        sum([1.0] * n) for n in partition([1.0] * 6, 3, last_extra=2.0)) <= 3
+    # the head's cost takes a layer off the last stage: [2, 2, 2] would make it 4
+    sizes = partition([1.0] * 6, 3, last_extra=2.0)
+    assert sum(sizes) == 6 and sizes[-1] == 1, sizes
+    assert _worst_stage([1.0] * 6, sizes, last_extra=2.0) == 3.0
+    # the dynamic programme's split is optimal (brute force), extras on either end included
+    g = random.Random(0)
+    for _ in range(40):
+        costs = [g.choice([0.5, 1.0, 2.0, 3.0]) for _ in range(g.randint(2, 8))]
+        stages, first, last = g.randint(1, len(costs)), g.choice([0.0, 1.5]), g.choice([0.0, 2.5])
+        sizes = partition(costs, stages, first_extra=first, last_extra=last)
+        assert len(sizes) == stages and sum(sizes) == len(costs) and min(sizes) >= 1, (costs, stages, sizes)
+        assert _worst_stage(costs, sizes, first, last) == pytest.approx(
+            _best_worst_stage(costs, stages, first, last)), (costs, stages, first, last, sizes)
     costs = [3.0, 1.0, 1.0, 1.0, 1.0, 1.0]
     sizes = partition(costs, 3)
     assert sum(sizes) == 6 and all(n >= 1 for n in sizes)

@@ -175,9 +175,9 @@ def test_lower_bound_contains_the_required_terms(solved):
 
 def test_enumerated_bound_is_at_least_the_fallback(solved, monkeypatch):
     hierarchical = [(layout, w, bound) for layout, _, w, _, _, bound in solved
-                    if layout[2] % layout[3] == 0 and layout[3] > 1 and pl._partitions(*layout[2:4]) is not None]
+                    if layout[2] % layout[3] == 0 and layout[3] > 1 and pl.search._partitions(*layout[2:4]) is not None]
     assert hierarchical
-    monkeypatch.setattr(pl, "_partitions", lambda groups, nodes: None)  # force the fallback bound
+    monkeypatch.setattr(pl.evaluate, "_partitions", lambda groups, nodes: None)  # force the fallback bound
     for layout, w, bound in hierarchical:
         fallback = pl.lower_bound(w, *layout[1:])
         assert (fallback >= 1).all() and (fallback <= bound + 1e-12).all(), (layout, fallback, bound)
@@ -186,12 +186,12 @@ def test_enumerated_bound_is_at_least_the_fallback(solved, monkeypatch):
 def test_node_load_bound_against_enumeration():
     g = torch.Generator().manual_seed(1)
     for G, N in [(8, 4), (8, 2), (6, 3), (4, 2)]:
-        parts, node_sets = pl._partitions(G, N)
+        parts, node_sets = pl.search._partitions(G, N)
         for _ in range(20):
             loads = (torch.rand(G, generator=g, dtype=torch.float64) ** 2).tolist()
             set_load = np.array([sum(loads[i] for i in s) for s in node_sets])
             best = set_load[parts].max(1).min()  # the best split's max node load
-            assert pl._node_load_bound(loads, N) <= best + 1e-12
+            assert pl.evaluate._node_load_bound(loads, N) <= best + 1e-12
 
 
 def brute_force(w: list[float], R: int, G: int, N: int, P: int) -> float:

@@ -211,6 +211,10 @@ def test_deepseek_plan_on_2048_gpus(deepseek):
     # which also pays the 129K-vocabulary head twice (main + MTP), = 1 layer + the MTP block
     assert plan.stage_partition(deepseek) == [4] * 15 + [1]
     assert result.stages[0].moe_blocks == 1 and result.stages[-1].moe_blocks == 2
+    # the MTP module is named where the last stage counts it
+    assert result.stages[-1].mtp_blocks == 1 and all(s.mtp_blocks == 0 for s in result.stages[:-1])
+    report = plan.format_plan(result)
+    assert "| 15 | 1 + MTP 1 | 2 |" in report and "Stage 15 also holds the multi-token-prediction module" in report
     for s in result.stages:
         assert s.activations.full_recompute < s.activations.no_recompute
     assert result.fits
@@ -238,7 +242,13 @@ def test_cli_plan_json_and_help():
 
 @pytest.mark.parametrize("args,message", [
     (["--config", "configs/missing.yaml", "--gpus", "8"], "config file configs/missing.yaml does not exist"),
-    (["--config", "configs/deepseek_v3_671b.yaml", "--gpus", "100"], "world size (100) must be a multiple"),
+    (["--config", "configs/deepseek_v3_671b.yaml", "--gpus", "100"],
+     "--gpus 100 does not factor into the layout: it must be a multiple of parallel.pp x parallel.tp x parallel.cp "
+     "= 16 x 1 x 1 = 16 (e.g. --gpus 96 or 112)."),
+    (["--config", "configs/moe_tiny.yaml", "--gpus", "3"],
+     "--gpus 3 does not factor into the layout (data parallel 3): train.global_batch_size (16) must be a multiple"),
+    (["--config", "configs/moe_tiny.yaml", "--gpus", "2", "--set", "parallel.ep=4"],
+     "--gpus 2 does not factor into the layout (data parallel 2): parallel.ep (4) must divide"),
     (["--config", "configs/moe_tiny.yaml", "--gpus", "2", "--set", "parallel.pp=two"],
      "parallel.pp must be of type int"),
 ])

@@ -1,6 +1,6 @@
 """The planner (moe_trainer/plan.py, tools/plan.py) against what the real Trainer holds and sends (issue #8).
 
-Each case builds the real Trainer in-process on 2 spawned gloo ranks (moe_trainer.bench_layouts.
+Each case builds the real Trainer in-process on 2 spawned gloo ranks (moe_trainer.bench.layouts.
 measure_layout: as moe_trainer.train does, with DeepSpeed's comms logger switched on through
 zero.deepspeed_config(comms_logger=True)), runs 2 optimizer steps, and compares rank by rank with
 plan.make_plan(cfg, 2) for the rank's pipeline stage:
@@ -29,7 +29,7 @@ traffic, bytes one rank sends per step (ring convention: all-reduce 2(g-1)/g, al
 import pytest
 
 from moe_trainer import plan
-from moe_trainer.bench_layouts import comm_by_kind, measure_layout, zero_ring_bytes
+from moe_trainer.bench.layouts import comm_by_kind, measure_layout, zero_ring_bytes
 from moe_trainer.config import load_config
 
 from conftest import ROOT, TINY

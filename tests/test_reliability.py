@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, TINY, VENV_BIN, check, env, free_port, launch, read_metrics, train_losses
+from conftest import (ROOT, TINY, VENV_BIN, check, env, free_port, launch, read_metrics, train_grad_norms,
+                      train_losses)
 
 BASE = TINY + ["train.global_batch_size=8", "train.micro_batch_size=2"]
 
@@ -45,10 +46,11 @@ def test_exact_resume_pipeline_and_experts(straight, tmp_path):
     check(launch(4, out, BASE + layout + ["train.max_steps=10", "train.stop_at_step=5"]))
     proc = check(launch(4, out, BASE + layout + ["train.max_steps=10", "train.resume=auto"]))
     assert "resumed from" in proc.stdout and "step_5" in proc.stdout
-    a, b = train_losses(straight), train_losses(out)
-    assert sorted(b) == list(range(1, 11))  # the interrupted run's metrics continue without duplicates
-    for s in a:
-        assert abs(a[s] - b[s]) <= 1e-6 * abs(a[s]), (s, a[s], b[s])
+    for read in (train_losses, train_grad_norms):
+        a, b = read(straight), read(out)
+        assert sorted(b) == list(range(1, 11))  # the interrupted run's metrics continue without duplicates
+        for s in a:
+            assert abs(a[s] - b[s]) <= 1e-6 * abs(a[s]), (read.__name__, s, a[s], b[s])
     assert_same_weights(weights(straight / "checkpoints" / "step_10"), weights(out / "checkpoints" / "step_10"),
                         rtol=1e-6, atol=1e-7)
 
@@ -60,10 +62,11 @@ def test_resharded_resume(straight, tmp_path, world, layout):
     ckpt = straight / "checkpoints" / "step_5"
     launcher = "python" if world == 1 else "deepspeed"
     check(launch(world, out, BASE + layout + ["train.max_steps=10", f"train.resume={ckpt}"], launcher=launcher))
-    a, b = train_losses(straight), train_losses(out)
-    assert sorted(b) == list(range(6, 11))
-    for s in b:
-        assert abs(a[s] - b[s]) <= 1e-5 * abs(a[s]), (s, a[s], b[s])
+    for read in (train_losses, train_grad_norms):
+        a, b = read(straight), read(out)
+        assert sorted(b) == list(range(6, 11))
+        for s in b:
+            assert abs(a[s] - b[s]) <= 1e-5 * abs(a[s]), (read.__name__, s, a[s], b[s])
 
 
 def _rank_pids(marker: str) -> list[int]:

@@ -5,7 +5,7 @@
   python tools/plan.py --config configs/llama3_405b.yaml --set parallel.pp=8 --gpus 8192 --json
   python tools/plan.py zero --params 7.5e9 --dp 64
 
-The logic lives in moe_trainer/plan.py; this file only parses arguments.
+The logic lives in the moe_trainer/plan package; this file only parses arguments.
 """
 from __future__ import annotations
 

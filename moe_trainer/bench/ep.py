@@ -1,11 +1,11 @@
 """Expert-parallel throughput: our trainer at world 1/2/4 (fp32, bf16) and DeepSpeed AutoEP as the peer.
 
-    python -m moe_trainer.bench_ep [--steps 40] [--warmup 8] [--worlds 1,2,4] [--out FILE.json]
+    python -m moe_trainer.bench.ep [--steps 40] [--warmup 8] [--worlds 1,2,4] [--out FILE.json]
 
-Each configuration runs under the deepspeed launcher (`--module moe_trainer.bench_ep --worker ...`).
+Each configuration runs under the deepspeed launcher (`--module moe_trainer.bench.ep --worker ...`).
 The configurations of one world size and dtype (ours with dedup off and on, the peer with glibc's
 allocator and with ours) start together and take turns one optimizer step at a time
-(bench_turns.py: while one steps on all its ranks, the others sleep), so a slow spell of the
+(bench/turns.py: while one steps on all its ranks, the others sleep), so a slow spell of the
 shared machine costs each of them about the same steps; every column is a median over the timed
 steps.
 Our worker builds the Trainer exactly as moe_trainer.train does and times `train_step()`:
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/moe_tiny.yaml"  # hidden 256, 16 routed experts top-4 (4 groups, top-2 groups), 3 MoE layers
 GLOBAL_BATCH, MICRO_BATCH, SEQ = 8, 2, 256
 
@@ -71,13 +71,13 @@ def worker_ours(a) -> None:
     import torch
     import torch.distributed as dist
 
-    from . import plan
-    from .bench_turns import Turns
-    from .config import load_config, validate_layout
-    from .expert_load import imbalance_stats
-    from .kernels.cpu.allocator import keep_freed_memory
-    from .parallel.mesh import build_mesh
-    from .trainer import Trainer
+    from .. import plan
+    from .turns import Turns
+    from ..config import load_config, validate_layout
+    from ..expert_load import imbalance_stats
+    from ..kernels.cpu.allocator import keep_freed_memory
+    from ..parallel.mesh import build_mesh
+    from ..trainer import Trainer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = load_config(CONFIG, overrides(world, a.dtype, a.steps, a.run_dir, a.dedup))
@@ -114,16 +114,16 @@ def worker_autoep(a) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from .bench_turns import Turns
-    from .config import load_config
-    from .data import open_data
+    from .turns import Turns
+    from ..config import load_config
+    from ..data import open_data
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     cfg = load_config(CONFIG, overrides(world, a.dtype, a.steps, a.run_dir, False))
     _init(world)
     if a.keep_freed:  # the peer under our trainer's allocator setting, for a same-setting comparison
-        from .kernels.cpu.allocator import keep_freed_memory
+        from ..kernels.cpu.allocator import keep_freed_memory
         keep_freed_memory()
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(a.hf, dtype=dtype)
@@ -166,13 +166,13 @@ def worker_autoep(a) -> None:
 def worker_cmd(impl: str, world: int, dtype: str, steps: int, run_dir: Path, turns: str, dedup: bool = False,
                hf: str = "", keep_freed: bool = False) -> tuple[list[str], str]:
     """The launcher command of one configuration, and how the results show it."""
-    from .bench_turns import free_port
+    from .turns import free_port
     args = ["--worker", impl, "--dtype", dtype, "--steps", str(steps)] + (["--dedup"] if dedup else []) + \
         (["--keep-freed"] if keep_freed else [])
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(world), "--master_port", str(free_port()),
-           "--module", "moe_trainer.bench_ep", *args, "--run-dir", str(run_dir), "--turns", turns] + \
+           "--module", "moe_trainer.bench.ep", *args, "--run-dir", str(run_dir), "--turns", turns] + \
         (["--hf", hf] if hf else [])
-    shown = f"deepspeed --num_gpus {world} --module moe_trainer.bench_ep {' '.join(args)}" + \
+    shown = f"deepspeed --num_gpus {world} --module moe_trainer.bench.ep {' '.join(args)}" + \
         (" --hf <to_hf export>" if hf else "")
     return cmd, shown
 
@@ -180,9 +180,9 @@ def worker_cmd(impl: str, world: int, dtype: str, steps: int, run_dir: Path, tur
 def export_hf(tmp: Path, dtype: str) -> str:
     import torch
 
-    from .config import load_config
-    from .hf import to_hf
-    from .models.registry import build_model
+    from ..config import load_config
+    from ..hf import to_hf
+    from ..models.registry import build_model
     cfg = load_config(CONFIG, overrides(1, dtype, 1, str(tmp / "export"), False))
     model = build_model(cfg.model, cfg.run.seed)  # the same seeded init every rank of our trainer starts from
     path = tmp / f"hf_{dtype}"
@@ -210,7 +210,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="moe_trainer.bench_ep", description=__doc__,
+    ap = argparse.ArgumentParser(prog="moe_trainer.bench.ep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", choices=["ours", "autoep"], help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="fp32")
@@ -225,6 +225,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--peer-worlds", default="2,4")
     ap.add_argument("--out", default="")
+    ap.add_argument("--mode", choices=("turns", "alone"), default="turns",
+                    help="turns: one world size's configurations take turns step by step (secondary view); alone: "
+                         "the headline, each configuration alone, --rounds rounds alternating the order, AutoEP "
+                         "also at world 1 and ours at ep 1 (bench/headline.py)")
+    ap.add_argument("--rounds", type=int, default=3, help="--mode alone: rounds per configuration")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
@@ -235,6 +240,13 @@ def main(argv=None) -> int:
     worlds = [int(w) for w in a.worlds.split(",") if w]
     dtypes = [d for d in a.dtypes.split(",") if d]
     peer_worlds = [int(w) for w in a.peer_worlds.split(",") if w]
+    if a.mode == "alone":  # AutoEP at every world ours runs, world 1 included
+        with tempfile.TemporaryDirectory(prefix="bench_ep_") as d:
+            result = headline(a, Path(d), worlds, dtypes, sorted(set(worlds) | set(peer_worlds)))
+        if a.out:
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps(result, indent=1))
+        return 0
     rows, cmds = [], []
     with tempfile.TemporaryDirectory(prefix="bench_ep_") as d:
         tmp = Path(d)
@@ -259,9 +271,42 @@ def main(argv=None) -> int:
     return 0
 
 
+def headline(a, tmp: Path, worlds: list[int], dtypes: list[str], peer_worlds: list[int]) -> dict:
+    """The headline figures: per dtype and world size, ours (ep = world, so world 1 is ep 1: the
+    gain of expert parallelism apart from the kernels') and AutoEP with our allocator setting (the
+    headline ratio) and with glibc's (the stock column), each alone, --rounds rounds alternating the
+    order (bench/headline.py). {"<dtype> w<world>": {"jobs", "same_allocator", "stock"}}."""
+    from .headline import ratio, run_alone
+    from .turns import worker_env
+    out = {"command": "scripts/bench_ep.sh " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M"),
+           "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds}
+    for dtype in dtypes:
+        hf = export_hf(tmp, dtype)
+        for world in sorted(set(worlds) | set(peer_worlds)):
+            def job(impl: str, keep_freed: bool = False, world=world, dtype=dtype, hf=hf):
+                def factory(turns: str) -> tuple[list[str], dict]:
+                    name = f"{impl}_w{world}_{dtype}_{int(keep_freed)}_{time.monotonic_ns()}"
+                    cmd, _ = worker_cmd(impl, world, dtype, a.steps, tmp / name, turns, dedup=False,
+                                        hf=hf if impl == "autoep" else "", keep_freed=keep_freed)
+                    return cmd, worker_env(max(1, (os.cpu_count() or 1) // world), ROOT)
+                return factory
+            jobs = {"ours": job("ours")} if world in worlds else {}
+            if world in peer_worlds:
+                jobs.update({"autoep_keep_freed": job("autoep", True), "autoep": job("autoep")})
+            res = run_alone(jobs, a.steps, a.warmup, a.rounds, cwd=ROOT, key="step",
+                            split=("compute", "all_to_all", "rest"), tokens_per_step=GLOBAL_BATCH * SEQ)
+            timed = {n for n, r in res.items() if "median_s" in r}
+            out[f"{dtype} w{world}"] = {
+                "jobs": res,
+                "same_allocator": ratio(res["ours"], res["autoep_keep_freed"])
+                if {"ours", "autoep_keep_freed"} <= timed else None,
+                "stock": ratio(res["ours"], res["autoep"]) if {"ours", "autoep"} <= timed else None}
+    return out
+
+
 def run_group(world: int, dtype: str, a, tmp: Path, hf: str, ours: bool, peer: bool) -> dict:
     """One world size and dtype: its configurations as jobs stepping in turns -> table rows."""
-    from .bench_turns import Referee, worker_env
+    from .turns import Referee, worker_env
     jobs = ([("ours", dd) for dd in ([False, True] if world > 1 else [False])] if ours else []) + \
         ([("autoep", kf) for kf in (False, True)] if peer else [])
     referee = Referee()

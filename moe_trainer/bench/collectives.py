@@ -20,6 +20,10 @@ all-to-all, 1 for broadcast and send/recv. Each of `trials` trials times
 `iters` back-to-back calls on every rank and keeps the slowest rank's mean;
 the table shows the median trial (and the fastest and slowest), because a
 shared CPU host makes single means jumpy.
+
+Why one module of ~580 lines: one command, read in the order it runs (sizes, one builder per
+collective, timing, the decomposition check, the report); each piece is short and only this
+benchmark uses them.
 """
 from __future__ import annotations
 
@@ -358,7 +362,7 @@ def oversubscription(env: Env) -> Optional[str]:
 
 def unlink_shm_segment(env: Env) -> None:
     """See parallel/launch.py: DeepSpeed leaks its /dev/shm workspace."""
-    from .parallel.launch import unlink_shm_segment as unlink
+    from ..parallel.launch import unlink_shm_segment as unlink
     unlink(env.rank)
 
 

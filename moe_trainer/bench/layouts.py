@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # DeepSpeed callers whose ops are scalars (gradient norms, overflow checks): not planned, reported apart
 SCALAR_BYTES = 8

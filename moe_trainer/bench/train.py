@@ -15,7 +15,7 @@ hidden 256, 2 shared, sequence 512, no MTP). Each run is its own job:
   trained on the same batches by a plain loop (forward, CE loss, backward, step).
 
 The jobs of one dtype start together and take turns one optimizer step at a time
-(bench_turns.py): while one job steps, the others sleep. This shared VM's speed
+(bench/turns.py): while one job steps, the others sleep. This shared VM's speed
 moves 15-20% between minutes, and whole runs one after the other let a slow minute
 land on one of them; turn by turn, it costs every job about the same steps. The
 parent measures the matmul roofline (metrics.measure_matmul_tflops, all cores)
@@ -35,9 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe_trainer.bench_turns import free_port, worker_env
+from moe_trainer.bench.turns import free_port, worker_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/moe_bench.yaml"
 RUNS = ["ours1", "hf", "hfk", "ours2"]
 LABELS = {"ours1": "ours, 1 rank (trainer, ZeRO-1)",
@@ -65,11 +65,11 @@ def ours_sets(ranks: int, dtype: str, steps: int, out: Path) -> list[str]:
 
 def worker_ours(ranks: int, dtype: str, args) -> None:
     """One rank of our trainer under the launcher, each step in its turn."""
-    from moe_trainer.bench_turns import Turns, train_in_turns
+    from moe_trainer.bench.turns import Turns, train_in_turns
     from moe_trainer.config import validate_layout
     from moe_trainer.parallel.launch import shutdown_distributed
     from moe_trainer.train import make_trainer
-    cfg = _cfg(dtype, args.steps, ours_sets(ranks, dtype, args.steps, Path(args.out_dir)))
+    cfg = _cfg(dtype, args.steps, [*args.set, *ours_sets(ranks, dtype, args.steps, Path(args.out_dir))])
     trainer = make_trainer(cfg, validate_layout(cfg, ranks))
     turns = Turns(args.turns)
     train_in_turns(trainer, turns, lambda r: {"step_s": r["step_time"], "forward": r["times"].forward,
@@ -81,8 +81,14 @@ def worker_ours(ranks: int, dtype: str, args) -> None:
 
 def ours_cmd(ranks: int, dtype: str, args, tmp: Path, turns: str) -> list[str]:
     return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port",
-            str(free_port()), "--module", "moe_trainer.bench_train", "--_worker", f"ours{ranks}:{dtype}",
-            "--steps", str(args.steps), "--out-dir", str(tmp / f"ours{ranks}_{dtype}"), "--turns", turns]
+            str(free_port()), "--module", "moe_trainer.bench.train", "--_worker", f"ours{ranks}:{dtype}",
+            "--steps", str(args.steps), "--out-dir", str(tmp / f"ours{ranks}_{dtype}"), "--turns", turns,
+            *_set_args(args)]
+
+
+def _set_args(args) -> list[str]:
+    """The driver's --set overrides, passed on to every worker (the smoke runs shrink the model)."""
+    return [a for kv in args.set for a in ("--set", kv)]
 
 
 # ----------------------------------------------------------------------------- transformers + DeepSpeed
@@ -93,7 +99,7 @@ def worker_hf(dtype: str, args, keep_freed: bool = False) -> None:
     import torch.nn.functional as F
     import deepspeed
     from transformers import DeepseekV3ForCausalLM
-    from moe_trainer.bench_turns import Turns
+    from moe_trainer.bench.turns import Turns
     from moe_trainer.config import validate_layout
     from moe_trainer.data import open_data
     from moe_trainer.hf import to_hf
@@ -106,14 +112,14 @@ def worker_hf(dtype: str, args, keep_freed: bool = False) -> None:
                  "LOCAL_RANK": "0"}.items():
         os.environ.setdefault(k, v)
     dist.init_process_group("gloo", rank=0, world_size=1)
-    cfg = _cfg(dtype, args.steps)
+    cfg = _cfg(dtype, args.steps, args.set)
     layout = validate_layout(cfg, 1)
     t = cfg.train
     with tempfile.TemporaryDirectory() as d:
         to_hf(build_model(cfg.model, cfg.run.seed), Path(d) / "hf")
         model = DeepseekV3ForCausalLM.from_pretrained(
             Path(d) / "hf", dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
-            experts_implementation=args.hf_experts, attn_implementation="sdpa")
+            experts_implementation=args.hf_experts, attn_implementation=args.hf_attn)
     model.train()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, t.weight_decay),
                                            config=deepspeed_config(cfg, layout))
@@ -135,8 +141,8 @@ def worker_hf(dtype: str, args, keep_freed: bool = False) -> None:
 
 
 def hf_cmd(run: str, dtype: str, args, turns: str) -> list[str]:
-    return [sys.executable, "-m", "moe_trainer.bench_train", "--_worker", f"{run}:{dtype}", "--steps", str(args.steps),
-            "--hf-experts", args.hf_experts, "--turns", turns]
+    return [sys.executable, "-m", "moe_trainer.bench.train", "--_worker", f"{run}:{dtype}", "--steps", str(args.steps),
+            "--hf-experts", args.hf_experts, "--hf-attn", args.hf_attn, "--turns", turns, *_set_args(args)]
 
 
 # ----------------------------------------------------------------------------- driver
@@ -148,7 +154,18 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=3, help="first steps not timed")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="cores of the machine")
-    ap.add_argument("--hf-experts", default="grouped_mm", help="transformers experts_implementation")
+    ap.add_argument("--hf-experts", default="grouped_mm", help="transformers experts_implementation (with "
+                    "--mode alone: a comma list, the fastest measured in the run is the peer)")
+    ap.add_argument("--hf-attn", default="sdpa", help="transformers attn_implementation in turns mode (alone: "
+                    "the faster of eager and sdpa, measured in the run)")
+    ap.add_argument("--mode", choices=("turns", "alone"), default="turns",
+                    help="turns: the jobs take turns step by step (secondary view); alone: the headline, each job "
+                         "alone, --rounds rounds alternating the order (bench/headline.py)")
+    ap.add_argument("--rounds", type=int, default=3, help="--mode alone: rounds per job")
+    ap.add_argument("--probe-steps", type=int, default=0, help="--mode alone: steps of each peer candidate "
+                    "when picking the fastest (0: --steps)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for every job (e.g. a smaller model for a smoke run)")
     ap.add_argument("--out", default="docs/BENCHMARKS_train.md")
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--turns", default="", help=argparse.SUPPRESS)
@@ -162,12 +179,18 @@ def main(argv=None):
         else:
             worker_hf(dt, args, keep_freed=kind == "hfk")
         return
+    if args.mode == "alone":
+        out = args.out if args.out.endswith(".json") else "docs/bench/train_headline.json"
+        write_json(headline(args), out)
+        print(f"wrote {out}")
+        return
     import torch
     from moe_trainer.metrics import train_flops_per_token
     torch.set_num_threads(args.threads)
     t_start = time.time()
     dtypes, runs = args.dtypes.split(","), args.runs.split(",")
-    fpt = train_flops_per_token(_cfg("fp32", args.steps).model, _cfg("fp32", args.steps).train.seq_len)
+    cfg = _cfg("fp32", args.steps, args.set)
+    fpt = train_flops_per_token(cfg.model, cfg.train.seq_len)
     roof, results = {}, {}
     # ours1 steps in turns with one other run at a time: each ratio is measured side by side, and no
     # more than two runs' memory is resident (four fp32 runs filled 19 of the 24 GB, and the peer's
@@ -205,7 +228,7 @@ def main(argv=None):
 def run_in_turns(dt: str, runs: list[str], args, tmp: Path) -> dict:
     """Every run of one dtype as a job, stepping in turns; {run: summary or {"error"}, "roofline": best}."""
     import torch
-    from moe_trainer.bench_turns import Referee
+    from moe_trainer.bench.turns import Referee
     from moe_trainer.metrics import measure_matmul_tflops
     referee = Referee()
     try:
@@ -235,6 +258,46 @@ def run_in_turns(dt: str, runs: list[str], args, tmp: Path) -> dict:
         return out
     finally:
         referee.close()
+
+
+def headline(args) -> dict:
+    """The headline figures (bench/headline.py): ours on 1 rank against the transformers peer at its
+    best, each alone, --rounds rounds alternating the order. The peer's attention (eager or sdpa)
+    and experts implementation are the fastest measured first in this run, with our allocator
+    setting; the headline ratio gives the peer that setting too (as ours has), the stock ratio
+    glibc's default. {dtype: {"jobs", "probe", "peer", "same_allocator", "stock"}}."""
+    from moe_trainer.bench.headline import pick_fastest, ratio, run_alone
+    from moe_trainer.bench.turns import worker_env
+    out = {"command": "scripts/bench_train.sh " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M"),
+           "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds}
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
+        for dt in args.dtypes.split(","):
+            def ours(turns: str, dt=dt) -> tuple[list[str], dict]:
+                return ours_cmd(1, dt, args, Path(tmp), turns), worker_env(args.threads, ROOT)
+
+            def peer(run: str, attn: str, experts: str, dt=dt):
+                variant = argparse.Namespace(**{**vars(args), "hf_attn": attn, "hf_experts": experts})
+                return lambda turns: (hf_cmd(run, dt, variant, turns), worker_env(args.threads, ROOT))
+
+            candidates = {f"{attn}+{experts}": peer("hfk", attn, experts)
+                          for attn in ("eager", "sdpa") for experts in args.hf_experts.split(",")}
+            best, probed = pick_fastest(candidates, args.probe_steps or args.steps, args.warmup, cwd=ROOT)
+            attn, experts = best.split("+")
+            jobs = run_alone({"ours1": ours, "hfk": peer("hfk", attn, experts), "hf": peer("hf", attn, experts)},
+                             args.steps, args.warmup, args.rounds, cwd=ROOT)
+            timed = all("median_s" in jobs[n] for n in ("ours1", "hfk", "hf"))
+            out[dt] = {"jobs": jobs, "probe": probed, "peer": best,
+                       "same_allocator": ratio(jobs["ours1"], jobs["hfk"]) if timed else None,
+                       "stock": ratio(jobs["ours1"], jobs["hf"]) if timed else None}
+    return out
+
+
+def write_json(result: dict, path: str) -> None:
+    import json
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
 
 
 def summary(result: dict, steps: list[dict]) -> dict:
@@ -272,7 +335,7 @@ def write_md(args, raw, roof, fpt, results, elapsed):
          f"transformers: experts_implementation={args.hf_experts}, attn_implementation=sdpa, weights from our "
          f"initial model via `hf.to_hf`, same DeepSpeed config (`parallel.zero.deepspeed_config`) and batches. "
          f"Timed: ours (1 rank) and one other run at a time start together and take turns one optimizer "
-         f"step at a time (bench_turns.py: while one runs a step, the other sleeps), and each ratio is "
+         f"step at a time (bench/turns.py: while one runs a step, the other sleeps), and each ratio is "
          f"the two medians of that pairing; ours' row pools its steps of every pairing. Median step over the "
          f"{args.steps - args.warmup} steps after {args.warmup} warm-up steps (min in brackets). MFU = "
          f"tokens/s x FLOP/token / roofline (2 ranks: aggregate against the same all-core roofline).", "",

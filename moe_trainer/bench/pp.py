@@ -15,7 +15,7 @@ recompute  one process: for parallel.recompute none | selective | full, the larg
            saved-activation bytes fit a fixed budget, and training tokens/s at that micro-batch
            (forward + backward + AdamW step, median of a few steps).
 
-Usage: python -m moe_trainer.bench_pp [--parts bubble,memory,recompute] [--pps 2,4] [--ms 1,4,8,16]
+Usage: python -m moe_trainer.bench.pp [--parts bubble,memory,recompute] [--pps 2,4] [--ms 1,4,8,16]
                                       [--out JSON] [--timeline PNG]
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/moe_tiny.yaml"
 
 # the trainer runs of the bubble part: moe_tiny (hidden 256, 1 dense + 3 MoE layers), short sequences
@@ -55,7 +55,7 @@ def replay_bubble(events: list[list[dict]], schedule: str = "1f1b") -> float:
     already gives). Sends, receives and waiting for a descheduled neighbour cost nothing, so what
     remains is the bubble the schedule itself implies for these compute times (stage imbalance included).
     Same formula as pipeline_trace.measured_bubble: mean over stages of 1 - busy / span."""
-    from .parallel.pipeline import SCHEDULES
+    from ..parallel.pipeline import SCHEDULES
     pp = len(events)
     dur = [{("F" if e["kind"] == "forward" else "B", e["micro"]): e["end"] - e["start"]
             for e in ev if e["kind"] in ("forward", "backward")} for ev in events]
@@ -130,8 +130,8 @@ def run_trainer(pp: int, m: int, mbs: int, out_dir: Path, schedule: str = "1f1b"
 
 
 def bench_bubble(pps: list[int], ms: list[int], mbs: int, tmp: Path, timeline: Path | None) -> list[dict]:
-    from .pipeline_trace import executed_order
-    from .parallel.pipeline import one_f_one_b
+    from ..pipeline_trace import executed_order
+    from ..parallel.pipeline import one_f_one_b
     rows, best = [], None
     for pp in pps:
         for m in ms:
@@ -178,7 +178,7 @@ class StorageMeter:
     two ops counts twice), plus the deduplicated figure: bytes of distinct storages kept alive by saves."""
 
     def __init__(self, module: torch.nn.Module):
-        from .parallel.pipeline import ActivationMeter
+        from ..parallel.pipeline import ActivationMeter
         self.inner = ActivationMeter(module)
         self.refs: dict[int, list] = {}  # storage ptr -> [count, nbytes]
         self.live = self.peak = 0
@@ -206,20 +206,20 @@ class StorageMeter:
         return holder
 
     def hooks(self):
-        from .parallel.pipeline import ActivationMeter
+        from ..parallel.pipeline import ActivationMeter
         return torch.autograd.graph.saved_tensors_hooks(self.pack, ActivationMeter.unpack)
 
 
 def _memory_cfg(pp: int, seq: int, extra: list[str] = ()):
-    from .config import load_config
+    from ..config import load_config
     return load_config(str(ROOT / CONFIG), [f"parallel.pp={pp}", f"train.seq_len={seq}", *extra])
 
 
 def stage_peaks(pp: int, m: int, mbs: int, seq: int, schedule: str) -> list[dict]:
     """Peak saved-activation bytes of every stage running `schedule`'s order for m micro-batches, one
     process. Stage s's inputs come from stages < s run without grad (what it would receive)."""
-    from .models.registry import build_model
-    from .parallel.pipeline import SCHEDULES, PipelineStage, stage_layers
+    from ..models.registry import build_model
+    from ..parallel.pipeline import SCHEDULES, PipelineStage, stage_layers
     cfg = _memory_cfg(pp, seq)
     model = build_model(cfg.model, cfg.run.seed)
     layers = stage_layers(cfg, seq)
@@ -288,8 +288,8 @@ def memory_table(rows: list[dict]) -> str:
 
 def real_gpipe(pp: int, m: int, mbs: int, tmp: Path) -> dict:
     """The trainer with parallel.schedule=gpipe: which order did it execute?"""
-    from .pipeline_trace import executed_order, peak_in_flight_measured
-    from .parallel.pipeline import gpipe, one_f_one_b
+    from ..pipeline_trace import executed_order, peak_in_flight_measured
+    from ..parallel.pipeline import gpipe, one_f_one_b
     r = run_trainer(pp, m, mbs, tmp / f"pp{pp}_m{m}_gpipe", schedule="gpipe")
     ev = r["trace"]["events"]
     res = {"pp": pp, "m": m, "executed_gpipe": all(executed_order(s) == gpipe(i, pp, m) for i, s in enumerate(ev)),
@@ -303,8 +303,8 @@ def real_gpipe(pp: int, m: int, mbs: int, tmp: Path) -> dict:
 
 
 def _recompute_model(mode: str, seq: int):
-    from .models.registry import build_model
-    from .parallel.recompute import apply_recompute
+    from ..models.registry import build_model
+    from ..parallel.recompute import apply_recompute
     cfg = _memory_cfg(1, seq, [f"parallel.recompute={mode}"])
     return cfg, apply_recompute(build_model(cfg.model, cfg.run.seed), mode)
 

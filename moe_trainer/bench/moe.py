@@ -196,7 +196,7 @@ def roofline(args) -> dict:
 # ----------------------------------------------------------------------------- driver
 
 def _run_child(impl, dtype, argv) -> dict:
-    cmd = [sys.executable, "-m", "moe_trainer.bench_moe", "--_worker", f"{impl}:{dtype}"] + argv
+    cmd = [sys.executable, "-m", "moe_trainer.bench.moe", "--_worker", f"{impl}:{dtype}"] + argv
     p = subprocess.run(cmd, capture_output=True, text=True)
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("RESULT "):

@@ -1,0 +1,215 @@
+"""Memory per rank: parameters per rank of each stage, model states under ZeRO 0-3,
+activations per micro-batch with and without recomputation, and the ZeRO paper's table."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..config import Config, ModelConfig, ParallelConfig
+from .params import PlanError, Precision, is_moe_layer, mtp_layers, numel, param_shapes
+from .pipeline import _layer_stages, _stages_of, in_flight
+
+
+# ----------------------------------------------------------------------------- parameters per rank
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters one rank of a stage holds (before ZeRO).
+
+    dense: replicated over the dense data-parallel group (after the TP split);
+    expert: routed-expert parameters (after the EP split), replicated over the expert-data-parallel group.
+    """
+
+    dense: float
+    expert: float
+
+
+_TP_REPLICATED = ("norm.weight", ".mlp.gate.weight", "q_a_proj.", "kv_a_proj_with_mqa.")
+
+
+def _rank_share(name: str, tp: int, ep: int) -> float:
+    """Fraction of a parameter one rank holds: experts split by EP (and TP), the rest by TP except the
+    norms, the router and MLA's down-projections (replicated under TP, as Megatron does)."""
+    if ".mlp.experts." in name:
+        return 1 / (ep * tp)
+    return 1.0 if any(key in name for key in _TP_REPLICATED) else 1 / tp
+
+
+def rank_params(m: ModelConfig, par: ParallelConfig, partition: Sequence[int]) -> list[RankParams]:
+    """Parameters per rank of each pipeline stage."""
+    layer_stage = _layer_stages(partition)
+    dense, expert = [0.0] * len(partition), [0.0] * len(partition)
+    for name, shape in param_shapes(m).items():
+        share = numel(shape) * _rank_share(name, par.tp, par.ep)
+        for stage in _stages_of(name, m, layer_stage):
+            (expert if ".mlp.experts." in name else dense)[stage] += share
+    return [RankParams(d, e) for d, e in zip(dense, expert)]
+
+
+# ----------------------------------------------------------------------------- model-state memory
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes of parameters, gradients and optimizer state on one rank."""
+
+    params: float
+    grads: float
+    optimizer: float
+    total: float
+
+    @classmethod
+    def of(cls, params: float, grads: float, optimizer: float) -> "ModelStateBytes":
+        return cls(params, grads, optimizer, params + grads + optimizer)
+
+
+def model_state_bytes(p: RankParams, prec: Precision, zero: int, dense_group: int,
+                      expert_group: int) -> ModelStateBytes:
+    """ZeRO stage `zero` shards optimizer state (>= 1), gradients (>= 2) and parameters (3): dense
+    parameters over `dense_group` ranks, expert parameters over `expert_group` (expert-data-parallel)."""
+    def per_rank(sharded: bool) -> float:
+        return p.dense / dense_group + p.expert / expert_group if sharded else p.dense + p.expert
+
+    return ModelStateBytes.of(prec.param_bytes * per_rank(zero >= 3), prec.grad_bytes * per_rank(zero >= 2),
+                              prec.optim_bytes * per_rank(zero >= 1))
+
+
+# ----------------------------------------------------------------------------- activation memory
+
+@dataclass(frozen=True)
+class TokenActs:
+    """Activation bytes a layer stores per token on one rank (without recomputation).
+
+    norm_region: tensors around the norms and residuals, split over TP only with sequence parallelism;
+    tp_split: tensors inside the TP region, already divided by tp.
+    """
+
+    norm_region: float
+    tp_split: float
+
+    def per_rank(self, tp: int, sp: bool) -> float:
+        return self.norm_region / (tp if sp else 1) + self.tp_split
+
+    def __add__(self, other: "TokenActs") -> "TokenActs":
+        return TokenActs(self.norm_region + other.norm_region, self.tp_split + other.tp_split)
+
+
+FP32 = 4  # bytes: router scores, attention log-sum-exp and logits are kept in fp32
+
+
+def _attention_acts(m: ModelConfig, tp: int, b: int) -> TokenActs:
+    """Korthikanti et al. 2022's accounting with flash attention (no s^2 terms): the norm's input and
+    output, Q, K, V, the attention output and its fp32 log-sum-exp. MLA: its real shapes, K expanded
+    to every head, plus the q/kv latents around their norms (replicated under TP)."""
+    h, a = m.hidden_size, m.num_attention_heads
+    heads = a / tp
+    if m.arch == "deepseek_v3":
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        latents = 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank
+        return TokenActs((2 * h + latents) * b, heads * (2 * qk + 2 * m.v_head_dim) * b + heads * FP32)
+    d, kv = m.head_dim or h // a, m.num_key_value_heads or a
+    kv_per_rank = max(kv / tp, 1)  # GQA heads are replicated when tp > kv heads
+    return TokenActs(2 * h * b, (2 * heads + 2 * kv_per_rank) * d * b + heads * FP32)
+
+
+def _ffn_acts(m: ModelConfig, layer: int, tp: int, b: int) -> TokenActs:
+    """Post-attention norm input and output, then SwiGLU's gate, up and product per FFN. MoE: fp32
+    router scores, and per routed copy (top-k of them) the expert's input and output (h each, needed
+    by the combine's backward) plus its gate, up and product."""
+    h = m.hidden_size
+    if not is_moe_layer(m, layer):
+        return TokenActs(2 * h * b, 3 * m.intermediate_size / tp * b)
+    k, mi = m.num_experts_per_tok, m.moe_intermediate_size
+    norm = 2 * h * b + m.n_routed_experts * FP32 + k * 2 * h * b
+    return TokenActs(norm, (k + m.n_shared_experts) * 3 * mi / tp * b)
+
+
+def layer_acts(m: ModelConfig, layer: int, tp: int, b: int) -> TokenActs:
+    """Bytes per token one decoder layer stores for its backward, no recomputation."""
+    return _attention_acts(m, tp, b) + _ffn_acts(m, layer, tp, b)
+
+
+def _head_acts(m: ModelConfig, tp: int, b: int) -> TokenActs:
+    """Final norm input and output, and fp32 logits for the cross-entropy (Korthikanti: 4sbv)."""
+    return TokenActs(2 * m.hidden_size * b, m.vocab_size / tp * FP32)
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    """Activation bytes on one rank of a stage (the last stage's loss and MTP modules included)."""
+
+    per_micro_batch: float  # no recomputation
+    per_micro_batch_recompute: float  # full recomputation: each layer's input (the loss is kept)
+    working_set: float  # full recomputation: one layer's activations rebuilt during its backward
+    in_flight: int
+    no_recompute: float  # in_flight * per_micro_batch
+    full_recompute: float  # in_flight * per_micro_batch_recompute + working_set
+
+
+def _stage_blocks(m: ModelConfig, partition: Sequence[int], stage: int) -> list[int]:
+    """Decoder layer ids of a stage, the MTP blocks (ids >= num_hidden_layers) on the last one."""
+    first = sum(partition[:stage])
+    blocks = list(range(first, first + partition[stage]))
+    if stage == len(partition) - 1:
+        blocks += list(range(m.num_hidden_layers, m.num_hidden_layers + mtp_layers(m)))
+    return blocks
+
+
+def _loss_acts(m: ModelConfig, tp: int, b: int) -> TokenActs:
+    """The last stage's head for the main model and each MTP module, plus what an MTP module keeps
+    around its block: enorm and hnorm inputs and eh_proj's [2h] input (4h per token)."""
+    n, head = mtp_layers(m), _head_acts(m, tp, b)
+    return TokenActs(head.norm_region * (1 + n) + 4 * m.hidden_size * b * n, head.tp_split * (1 + n))
+
+
+def stage_activation_bytes(cfg: Config, partition: Sequence[int], stage: int, micro_batches: int,
+                           prec: Precision) -> StageActivations:
+    """Activation memory of one stage.
+
+    Tokens per rank and micro-batch: micro_batch_size * seq_len / cp. Full recomputation keeps each
+    block's input and, during the backward, one block's full activations (Korthikanti et al. 2022).
+    Selective recomputation of the attention core saves nothing more here: flash attention already
+    stores no s^2 term. MoE: under uniform routing a rank processes as many routed copies as its own
+    tokens send out (tokens * top-k). The last stage has one micro-batch in flight (1F1B).
+    """
+    m, p, b = cfg.model, cfg.parallel, prec.act_bytes
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len / p.cp
+    sp = p.sequence_parallel and p.tp > 1
+    blocks = _stage_blocks(m, partition, stage)
+    full = [layer_acts(m, i, p.tp, b).per_rank(p.tp, sp) * tokens for i in blocks]
+    loss = _loss_acts(m, p.tp, b).per_rank(p.tp, sp) * tokens if stage == len(partition) - 1 else 0.0
+    kept = len(blocks) * m.hidden_size * b / (p.tp if sp else 1) * tokens + loss
+    flight = in_flight(stage, p.pp, micro_batches)
+    working = max(full, default=0.0)
+    return StageActivations(per_micro_batch=sum(full) + loss, per_micro_batch_recompute=kept,
+                            working_set=working, in_flight=flight, no_recompute=flight * (sum(full) + loss),
+                            full_recompute=flight * kept + working)
+
+
+# ----------------------------------------------------------------------------- the ZeRO paper's table
+
+@dataclass(frozen=True)
+class ZeroRow:
+    """One row of the ZeRO paper's Table 1 / Figure 1: memory per rank and traffic per step."""
+
+    stage: int
+    params: float  # bytes per rank
+    grads: float
+    optimizer: float
+    total: float
+    comm_multiple: float  # elements sent per rank per step, in multiples of the parameter count
+
+
+def zero_table(n_params: float, dp: int, k: int = 12) -> list[ZeroRow]:
+    """Rajbhandari et al. 2019: mixed precision Adam keeps 2 + 2 + K bytes per parameter; stage 1
+    shards the K bytes of optimizer state over dp ranks, stage 2 the gradients too, stage 3 the
+    parameters too. Traffic: all-reduce = reduce-scatter + all-gather = 2x the parameters (stages
+    0-2); stage 3 all-gathers twice (forward, backward) and reduce-scatters: 3x. As in the paper the
+    (dp - 1) / dp factor is taken as 1."""
+    if n_params <= 0 or dp < 1 or k < 0:
+        raise PlanError(f"--params must be positive, --dp at least 1 and --k non-negative; got {n_params}, {dp}, {k}.")
+    rows = []
+    for stage in range(4):
+        states = model_state_bytes(RankParams(n_params, 0.0), Precision("zero", 2, 2, k, 2, ""), stage, dp, 1)
+        rows.append(ZeroRow(stage, states.params, states.grads, states.optimizer, states.total,
+                            3.0 if stage == 3 else 2.0))
+    return rows
