@@ -135,10 +135,10 @@ def assert_same_losses(one_dir: Path, many_dir: Path, steps=(1, 2, 3, 4, 5)) -> 
 
 def assert_same_final_weights(one_dir: Path, many_dir: Path, step: int = 5) -> None:
     """The step's checkpoints (gathered under global expert ids) hold equal weights (rtol 1e-4)."""
-    from safetensors.torch import load_file
     import torch
-    a = load_file(str(one_dir / "checkpoints" / f"step_{step}" / "model-pp0.safetensors"))
-    b = load_file(str(many_dir / "checkpoints" / f"step_{step}" / "model-pp0.safetensors"))
+    from moe_trainer.checkpoint import read_full
+    a = read_full(one_dir / "checkpoints" / f"step_{step}")
+    b = read_full(many_dir / "checkpoints" / f"step_{step}")
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
