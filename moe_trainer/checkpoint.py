@@ -180,6 +180,26 @@ def _finish(trainer, tmp: Path, final: Path, reports: list[tuple[int, str]]) -> 
     return final
 
 
+def write_model(model: torch.nn.Module, path: Path, step: int = 0) -> Path:
+    """A weights-only checkpoint of a whole model in one process (tools and tests): the same
+    format, one part, no optimizer state."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors, meta = {}, {}
+    named = dict(model.named_parameters())
+    named.update({n: b for n, b in model.named_buffers() if n.endswith(BIAS)})
+    for name, t in named.items():
+        tensors[name], meta[name] = t.detach().float().cpu().reshape(-1).clone(), _where(t, 0)
+    save_file(tensors, str(tmp / part_name(0)), metadata=meta)
+    (tmp / "state.json").write_text(json.dumps({"step": step, "arch": model.cfg.arch}))
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "world": 1, "files": files}, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
 def prune(root: Path, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints; drop leftovers of interrupted writes."""
     steps = sorted((int(p.name.split("_")[1]), p) for p in root.glob("step_*") if p.name.split("_")[1].isdigit())
@@ -286,6 +306,7 @@ class Index:
         self.pieces: dict[str, list[Piece]] = {}
         self.rng_files: set = set()
         self._handles: dict = {}
+        self._last = None
         files, problem = _manifest_files(path)
         if problem:
             raise CheckpointError(f"checkpoint {path}: {problem}.")
@@ -319,10 +340,13 @@ class Index:
         return out
 
     def _read(self, piece: Piece) -> torch.Tensor:
+        if self._last is not None and self._last[0] is piece:  # consecutive blocks of one piece (export)
+            return self._last[1]
         f = self._handles.get(piece.file)
         if f is None:
             f = self._handles[piece.file] = safe_open(str(self.path / piece.file), framework="pt")
-        return f.get_tensor(piece.key)
+        self._last = (piece, f.get_tensor(piece.key))
+        return self._last[1]
 
     def rng(self, rank: int) -> Optional[torch.Tensor]:
         name = part_name(rank)
