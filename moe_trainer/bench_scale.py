@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -79,19 +78,20 @@ def run(world: int, overrides: list[str], out: Path, code: Path) -> list[dict]:
 
 
 def export_peak(ckpt: Path, out: Path, code: Path) -> tuple[float, float]:
-    """(peak RSS MiB, seconds) of tools/convert_hf.py export with 64 MB shards."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    t0 = time.perf_counter()
+    """(peak RSS MiB, seconds) of tools/convert_hf.py export with 64 MB shards (where the tool takes a
+    shard size), measured in a wrapper process whose only child is the export."""
     cmd = [sys.executable, str(code / "tools" / "convert_hf.py"), "export", "--weights", str(ckpt), str(out),
            "--overwrite"]
-    help_text = subprocess.run(cmd[:3] + ["--help"], capture_output=True, text=True, cwd=code).stdout
+    env = dict(os.environ, PYTHONPATH=str(code))
+    help_text = subprocess.run(cmd[:3] + ["--help"], capture_output=True, text=True, cwd=code, env=env).stdout
     if "--max-shard-gb" in help_text:
         cmd += ["--max-shard-gb", "0.064"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=code, env=dict(os.environ, PYTHONPATH=str(code)))
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    if proc.returncode != 0:
-        return float("nan"), float("nan")
-    return (peak / 1024 if peak > before else float("nan")), time.perf_counter() - t0
+    wrapper = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
+               "r = subprocess.run(sys.argv[1:], capture_output=True).returncode; "
+               "print(r, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, time.perf_counter() - t)")
+    proc = subprocess.run([sys.executable, "-c", wrapper] + cmd, capture_output=True, text=True, cwd=code, env=env)
+    rc, peak, secs = proc.stdout.split()
+    return (float(peak), float(secs)) if rc == "0" else (float("nan"), float("nan"))
 
 
 def main(argv=None) -> int:
