@@ -373,26 +373,29 @@ class Index:
 
 def _place(piece: Piece, data: torch.Tensor, out: torch.Tensor, written: torch.Tensor, offsets: tuple) -> None:
     """Copy the elements of a flat fragment into the target block `out` (at global `offsets`).
-    The fragment covers whole rows of the writer's block except perhaps its first and last, so
-    the rows it touches are rebuilt with a mask of the elements it has."""
+    The fragment covers whole rows of the writer's block except perhaps its first and last; only
+    the rows the target also holds are rebuilt, with a mask of the elements the fragment has."""
     row = math.prod(piece.sizes[1:])
-    r0, r1 = piece.flat // row, -(-(piece.flat + piece.numel) // row)
+    r0 = max(piece.flat // row, offsets[0] - piece.offsets[0])
+    r1 = min(-(-(piece.flat + piece.numel) // row), offsets[0] + out.shape[0] - piece.offsets[0])
+    if r0 >= r1:
+        return
+    lo, hi = max(piece.flat, r0 * row), min(piece.flat + piece.numel, r1 * row)  # flat range inside these rows
     rows = (r1 - r0,) + tuple(piece.sizes[1:])
     buf = torch.empty(math.prod(rows))
     have = torch.zeros(math.prod(rows), dtype=torch.bool)
-    start = piece.flat - r0 * row
-    buf[start:start + piece.numel] = data.float().reshape(-1)
-    have[start:start + piece.numel] = True
+    buf[lo - r0 * row:hi - r0 * row] = data.reshape(-1)[lo - piece.flat:hi - piece.flat].float()
+    have[lo - r0 * row:hi - r0 * row] = True
     buf, have = buf.view(rows), have.view(rows)
     src_off = (piece.offsets[0] + r0,) + tuple(piece.offsets[1:])
     dst, dst_w = out, written
     for d in range(len(rows)):
-        lo = max(src_off[d], offsets[d])
-        hi = min(src_off[d] + rows[d], offsets[d] + out.shape[d])
-        if lo >= hi:
+        a = max(src_off[d], offsets[d])
+        b = min(src_off[d] + rows[d], offsets[d] + out.shape[d])
+        if a >= b:
             return
-        buf, have = buf.narrow(d, lo - src_off[d], hi - lo), have.narrow(d, lo - src_off[d], hi - lo)
-        dst, dst_w = dst.narrow(d, lo - offsets[d], hi - lo), dst_w.narrow(d, lo - offsets[d], hi - lo)
+        buf, have = buf.narrow(d, a - src_off[d], b - a), have.narrow(d, a - src_off[d], b - a)
+        dst, dst_w = dst.narrow(d, a - offsets[d], b - a), dst_w.narrow(d, a - offsets[d], b - a)
     dst.copy_(torch.where(have, buf, dst))
     dst_w |= have
 
