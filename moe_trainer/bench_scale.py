@@ -17,7 +17,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +105,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     code, out = Path(a.code).resolve(), Path(a.out).resolve()
     print(f"| code | ep = world | routed experts | expert fp32 MB (all) | peak RSS per rank after build MiB (max) | "
-          f"peak RSS end MiB (max) | ckpt write s (max) | ckpt read s (max) | bytes written per rank (max) |"
+          "peak RSS end MiB (max) | ckpt write s (max) | ckpt read s (max) | bytes written per rank (max) |"
           + (" export peak RSS MiB |" if a.export else ""))
     print("|---|---|---|---|---|---|---|---|---|" + ("---|" if a.export else ""))
     for ep in [int(x) for x in a.ep.split(",")]:

@@ -28,7 +28,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Iterable, Optional, Union

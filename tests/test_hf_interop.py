@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from moe_trainer.config import ModelConfig
 from moe_trainer.hf import (HFFormatError, from_hf, hf_config_to_model_config, model_config_to_hf, model_yaml,
-                            save_weights_file, to_hf)
+                            to_hf)
 from moe_trainer.models.registry import build_model
 
 transformers = pytest.importorskip("transformers")
