@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--export", action="store_true", help="also measure export's peak RSS")
     a = ap.parse_args(argv)
     code, out = Path(a.code).resolve(), Path(a.out).resolve()
-    print(f"| code | ep = world | routed experts | expert fp32 MB (all) | peak RSS per rank after build MiB (max) | "
+    print("| code | ep = world | routed experts | expert fp32 MB (all) | peak RSS per rank after build MiB (max) | "
           "peak RSS end MiB (max) | ckpt write s (max) | ckpt read s (max) | bytes written per rank (max) |"
           + (" export peak RSS MiB |" if a.export else ""))
     print("|---|---|---|---|---|---|---|---|---|" + ("---|" if a.export else ""))
