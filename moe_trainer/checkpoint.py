@@ -1,31 +1,46 @@
-"""Checkpoints: layout-independent safetensors, written atomically.
+"""Checkpoints: sharded, layout-independent safetensors, written by every rank in parallel.
 
 checkpoints/step_<N>/
-  model.safetensors      fp32 master weights + buffers (balancing biases), global names
-  optimizer.safetensors  Adam exp_avg / exp_avg_sq per parameter, same names
-  rng.safetensors        every rank's RNG state
-  state.json             step, Adam step, data position, layout, config digest
-  manifest.json          size and sha256 of every file above (written last)
-The directory is assembled under a temporary name and renamed when complete;
-`latest` is replaced after that. A directory without a valid manifest is never
-resumed from.
+  part-r<rank>.safetensors  what rank <rank> owns, nothing gathered: its ZeRO-1 fragments of
+                            the fp32 master weights and Adam moments (`<name>`,
+                            `<name>.exp_avg`, `<name>.exp_avg_sq`; a parameter replicated over
+                            tp is written by one tp rank only), the balancing biases of its
+                            stage (one rank per stage) and its RNG state (`rng`)
+  state.json                step, Adam step, data position, layout, model config
+  manifest.json             size and sha256 of every file above (written last)
+Names are global (layer and expert ids). Each tensor's entry in its file's header metadata
+says where it lies in the global tensor: {"shape": global shape, "box": [offsets, sizes] of
+the block the writer held (its experts, its TP shard), "flat": start of the fragment in that
+block's row-major order}. A reader assembles whatever block it holds from the pieces that
+overlap it, so a checkpoint loads under any pp / ep / dp / tp / cp.
+
+Each rank hashes its own file; rank 0 writes state.json and the manifest from the sizes and
+digests the ranks report, then renames the directory into place and moves `latest`. A
+directory without a manifest is never resumed from. Readers check sizes of every file and the
+checksum of every file they read. No pickle is ever read.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .models.init import global_view
 
 MANIFEST = "manifest.json"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+BIAS = "e_score_correction_bias"
 
 
 class CheckpointError(ValueError):
@@ -46,12 +61,11 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-# ----------------------------------------------------------------------------- gather / scatter
+def part_name(rank: int) -> str:
+    return f"part-r{rank:05d}.safetensors"
 
-def _optimizer_params(engine):
-    """(name, param) for parameters the optimizer owns, in a fixed order."""
-    return list(engine.module.named_parameters())
 
+# ----------------------------------------------------------------------------- this rank's pieces
 
 def link_optimizer_state(engine) -> None:
     """Make every parameter's ZeRO fragment see its Adam moments.
@@ -72,66 +86,32 @@ def link_optimizer_state(engine) -> None:
     zero._lazy_init_hp_params_optimizer_state()
 
 
-def gather_state(trainer) -> tuple[dict, dict]:
-    """Full fp32 weights and optimizer moments, by global name (collective)."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+def _where(p: torch.Tensor, flat: int) -> str:
+    shape, offsets = global_view(p)
+    return json.dumps({"shape": list(shape), "box": [list(offsets), list(p.shape)], "flat": flat})
+
+
+def local_pieces(trainer) -> tuple[dict, dict]:
+    """(tensors, header metadata) this rank writes: its fragments, under global names."""
     link_optimizer_state(trainer.engine)
-    model, opt = {}, {}
-    for name, p in _optimizer_params(trainer.engine):
-        full = safe_get_full_fp32_param(p)
-        model[name] = _unshard(name, p, full if full is not None else p.detach().float(), trainer).cpu()
-        for key in ("exp_avg", "exp_avg_sq"):
-            state = safe_get_full_optimizer_state(p, key)
-            if state is not None:
-                opt[f"{name}.{key}"] = _unshard(name, p, state, trainer).cpu()
-    for name, buf in trainer.engine.module.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            model[name] = buf.detach().float().cpu()
-    return model, opt
-
-
-def _unshard(name: str, p, local: torch.Tensor, trainer) -> torch.Tensor:
-    """The layout-independent tensor of parameter `name` from this rank's piece
-    (collective over the groups that split it): experts over ep, TP shards over tp."""
     mesh = trainer.mesh
-    if hasattr(p, "expert_shard"):
-        parts = [torch.empty_like(local) for _ in range(mesh.size("ep"))]
-        dist.all_gather(parts, local.contiguous(), group=mesh.group("ep"))
-        return torch.cat(parts, dim=0)
-    if mesh.size("tp") > 1:
-        from .parallel.tensor import shard_param
-        cfg, tp = trainer.cfg.model, mesh.size("tp")
-        full_shape = _full_shape(name, trainer)
-        _, dim = shard_param(name, torch.empty(full_shape, device="meta"), cfg, tp, 0)
-        if dim is None:
-            return local
-        parts = [torch.empty_like(local) for _ in range(tp)]
-        dist.all_gather(parts, local.contiguous(), group=mesh.group("tp"))
-        full = torch.zeros(full_shape, dtype=local.dtype, device=local.device)
-        for index, part in enumerate(parts):  # replicated kv heads: several ranks write the same rows
-            target, _ = shard_param(name, full, cfg, tp, index)
-            target.copy_(part)
-        return full
-    return local
-
-
-def _shard(name: str, p, full: torch.Tensor, trainer) -> torch.Tensor:
-    """This rank's piece of a layout-independent tensor."""
-    if hasattr(p, "expert_shard"):
-        ep_rank, ep = p.expert_shard
-        n = full.shape[0] // ep
-        return full[ep_rank * n:(ep_rank + 1) * n]
-    if trainer.mesh.size("tp") > 1:
-        from .parallel.tensor import shard_param
-        return shard_param(name, full, trainer.cfg.model, trainer.mesh.size("tp"), trainer.mesh.index("tp"))[0]
-    return full
-
-
-def _full_shape(name: str, trainer) -> tuple:
-    shapes = getattr(trainer, "_full_shapes", None)
-    if shapes is None:
-        shapes = trainer._full_shapes = full_model_shapes(trainer.cfg.model)
-    return shapes[name]
+    tensors, meta = {}, {}
+    for name, p in trainer.engine.module.named_parameters():
+        if mesh.index("tp") != 0 and not getattr(p, "tensor_model_parallel", False):
+            continue  # a replica that tp rank 0 (or the first rank sharing a kv head) writes
+        mapping = getattr(p, "_hp_mapping", None)
+        if mapping is None:
+            continue  # ZeRO gave this rank no part of p
+        where = _where(p, mapping.lp_fragment_address.start)
+        for key, suffix in ((None, ""), *((k, f".{k}") for k in MOMENTS)):
+            tensors[name + suffix] = mapping.get_hp_fragment(key).detach().float().cpu().clone()
+            meta[name + suffix] = where
+    if mesh.index("dpcp") == 0 and mesh.index("tp") == 0:  # identical on every rank of a stage
+        for name, buf in trainer.engine.module.named_buffers():
+            if name.endswith(BIAS):
+                tensors[name], meta[name] = buf.detach().float().cpu().clone(), _where(buf, 0)
+    tensors["rng"] = torch.get_rng_state()
+    return tensors, meta
 
 
 def adam_step(engine) -> int:
@@ -141,56 +121,57 @@ def adam_step(engine) -> int:
     return 0
 
 
-def _rng_state() -> torch.Tensor:
-    return torch.get_rng_state()
-
-
 # ----------------------------------------------------------------------------- save
 
 def save(trainer) -> Optional[Path]:
-    """Write checkpoints/step_<N> (collective).
-
-    One rank per pipeline stage (data-parallel index 0) writes that stage's
-    weights and moments; rank 0 then writes RNG states, state.json and the
-    manifest, renames the directory into place and updates `latest`.
-    """
-    model_state, opt_state = gather_state(trainer)
-    rng = _rng_state().tolist()
-    rngs = [None] * trainer.layout.world
-    if dist.is_initialized() and trainer.layout.world > 1:
-        dist.all_gather_object(rngs, rng)  # a few KB of ints between our own ranks
-    else:
-        rngs = [rng]
+    """Write checkpoints/step_<N> (collective): every rank its own part, in parallel."""
     root = trainer.out_dir / "checkpoints"
     final = root / f"step_{trainer.step}"
     tmp = root / f".step_{trainer.step}.tmp"
-    if trainer.mesh.rank == 0:
+    rank = trainer.mesh.rank
+    if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     trainer.barrier()
-    m = trainer.mesh
-    if m.index("dpcp") == 0 and m.coord["tp"] == 0:
-        stage = m.coord["pp"]
-        save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / f"model-pp{stage}.safetensors"),
-                  metadata={"format": "moe_trainer.v1"})
-        save_file({k: v.contiguous() for k, v in opt_state.items()}, str(tmp / f"optimizer-pp{stage}.safetensors"))
-    trainer.barrier()
-    path = _finish(trainer, tmp, final, rngs) if trainer.mesh.rank == 0 else None
+    tensors, meta = local_pieces(trainer)
+    part = tmp / part_name(rank)
+    save_file(tensors, str(part), metadata=meta)
+    del tensors
+    with open(part, "rb") as f:
+        os.fsync(f.fileno())
+    reports = _gather_reports(trainer, part.stat().st_size, sha256(part))
+    path = _finish(trainer, tmp, final, reports) if rank == 0 else None
     trainer.barrier()
     return path
 
 
-def _finish(trainer, tmp: Path, final: Path, rngs: list) -> Path:
-    save_file({f"rank{r}": torch.tensor(s, dtype=torch.uint8) for r, s in enumerate(rngs)},
-              str(tmp / "rng.safetensors"))
+def _gather_reports(trainer, size: int, digest: str) -> list[tuple[int, str]]:
+    """(bytes, sha256) of every rank's part: one all-gather of 5 int64 per rank."""
+    raw = bytes.fromhex(digest)
+    mine = torch.tensor([size] + [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, 32, 8)],
+                        dtype=torch.int64)
+    world = trainer.layout.world
+    if not (dist.is_initialized() and world > 1):
+        return [(size, digest)]
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine)
+    return [(int(t[0]), b"".join(int(v).to_bytes(8, "little", signed=True) for v in t[1:].tolist()).hex())
+            for t in parts]
+
+
+def _finish(trainer, tmp: Path, final: Path, reports: list[tuple[int, str]]) -> Path:
     state = {"step": trainer.step, "adam_step": adam_step(trainer.engine), "data_position": trainer.step,
              "arch": trainer.cfg.model.arch, "layout": trainer.layout.__dict__,
              "model": trainer.cfg.to_dict()["model"], "noise_scale": trainer.noise.state_dict()}
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
-    files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}
-    (tmp / MANIFEST).write_text(json.dumps({"step": trainer.step, "files": files}, indent=1))
-    _fsync_dir(tmp)
+    files = {part_name(r): {"bytes": size, "sha256": digest} for r, (size, digest) in enumerate(reports)}
+    f = tmp / "state.json"
+    files[f.name] = {"bytes": f.stat().st_size, "sha256": sha256(f)}
+    (tmp / MANIFEST).write_text(json.dumps({"step": trainer.step, "world": len(reports), "files": files}, indent=1))
+    for name in ("state.json", MANIFEST):
+        with open(tmp / name, "rb") as fh:
+            os.fsync(fh.fileno())
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -199,10 +180,24 @@ def _finish(trainer, tmp: Path, final: Path, rngs: list) -> Path:
     return final
 
 
-def _fsync_dir(path: Path) -> None:
-    for f in path.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+def write_model(model: torch.nn.Module, path: Path, step: int = 0) -> Path:
+    """A weights-only checkpoint of a whole model in one process (tools and tests): the same
+    format, one part, no optimizer state."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors, meta = {}, {}
+    named = dict(model.named_parameters())
+    named.update({n: b for n, b in model.named_buffers() if n.endswith(BIAS)})
+    for name, t in named.items():
+        tensors[name], meta[name] = t.detach().float().cpu().reshape(-1).clone(), _where(t, 0)
+    save_file(tensors, str(tmp / part_name(0)), metadata=meta)
+    (tmp / "state.json").write_text(json.dumps({"step": step, "arch": model.cfg.arch}))
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "world": 1, "files": files}, indent=1))
+    os.replace(tmp, path)
+    return path
 
 
 def prune(root: Path, keep: int) -> None:
@@ -214,44 +209,72 @@ def prune(root: Path, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-# ----------------------------------------------------------------------------- find / verify / load
+# ----------------------------------------------------------------------------- find / verify
 
-def verify(path: Path) -> Optional[str]:
-    """None if the checkpoint is complete and intact, else why not."""
+def _manifest_files(path: Path) -> tuple[Optional[dict], Optional[str]]:
     manifest = path / MANIFEST
     if not manifest.is_file():
-        return "it has no manifest (incomplete write)"
+        return None, "it has no manifest (incomplete write)"
     try:
-        files = json.loads(manifest.read_text())["files"]
-    except (json.JSONDecodeError, KeyError):
-        return "its manifest is unreadable"
+        return json.loads(manifest.read_text())["files"], None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None, "its manifest is unreadable"
+
+
+def verify(path: Path, read: Optional[Iterable[str]] = None) -> Optional[str]:
+    """None if the checkpoint is complete and intact, else why not: every file listed, of its
+    size; the checksums of the files in `read` (all of them when None) match."""
+    files, problem = _manifest_files(path)
+    if problem:
+        return problem
     for name, meta in files.items():
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
         if f.stat().st_size != meta["bytes"]:
             return f"{name} has {f.stat().st_size} bytes, the manifest says {meta['bytes']}"
-        if sha256(f) != meta["sha256"]:
+    for name in sorted(files if read is None else read):
+        if name in files and sha256(path / name) != files[name]["sha256"]:
             return f"{name} does not match its checksum"
     return None
 
 
-def find_resume(out_dir: Path, resume: str, warn: bool = True) -> Optional[Path]:
+def _candidates(out_dir: Path) -> list[Path]:
+    root = Path(out_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    steps = [(int(p.name.split("_")[1]), p) for p in root.glob("step_*") if p.name.split("_")[1].isdigit()]
+    return [p for _, p in sorted(steps, reverse=True)]
+
+
+def find_resume(out_dir: Path, resume: str, warn: bool = True,
+                files_read: Optional[Callable[[Path], Iterable[str]]] = None,
+                any_rank: Callable[[bool], bool] = lambda bad: bad) -> Optional[Path]:
     """train.resume: none -> None; a path -> that checkpoint (must be valid);
-    auto -> the newest complete checkpoint, skipping broken ones with a warning."""
+    auto -> the newest complete checkpoint, skipping broken ones with a warning.
+    `files_read(path)`: the files this rank will read (their checksums are checked here, by this
+    rank); `any_rank` makes every rank agree (a checkpoint is refused if any rank finds a fault)."""
     if resume == "none":
         return None
+
+    def problem_of(path: Path) -> Optional[str]:
+        if not path.is_dir():
+            return "it does not exist"
+        problem = verify(path, read=())
+        if problem is None:
+            problem = verify(path, read=files_read(path) if files_read else None)
+        if any_rank(problem is not None) and problem is None:
+            problem = "another rank found a damaged file"
+        return problem
+
     if resume != "auto":
         path = Path(resume)
-        problem = verify(path) if path.is_dir() else "it does not exist"
+        problem = problem_of(path)
         if problem:
             raise CheckpointError(f"cannot resume from {path}: {problem}.")
         return path
-    root = Path(out_dir) / "checkpoints"
-    candidates = sorted(((int(p.name.split("_")[1]), p) for p in root.glob("step_*")
-                         if p.name.split("_")[1].isdigit()), reverse=True) if root.is_dir() else []
-    for _, path in candidates:
-        problem = verify(path)
+    for path in _candidates(out_dir):
+        problem = problem_of(path)
         if problem is None:
             return path
         if warn:
@@ -259,12 +282,133 @@ def find_resume(out_dir: Path, resume: str, warn: bool = True) -> Optional[Path]
     return None
 
 
-def _load_safetensors(path: Path) -> dict:
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({e}).") from None
+# ----------------------------------------------------------------------------- reading pieces
 
+@dataclass
+class Piece:
+    file: str
+    key: str
+    shape: tuple  # the global tensor's
+    offsets: tuple  # of the block the writer held
+    sizes: tuple
+    flat: int  # start of this fragment in the block's row-major order
+    numel: int
+
+    def overlaps(self, offsets, sizes) -> bool:
+        return all(a < b + m and b < a + n for a, n, b, m in zip(self.offsets, self.sizes, offsets, sizes))
+
+
+class Index:
+    """Where every saved tensor's pieces are, from the headers of a checkpoint's part files."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.pieces: dict[str, list[Piece]] = {}
+        self.rng_files: set = set()
+        self._handles: dict = {}
+        self._last = None
+        files, problem = _manifest_files(path)
+        if problem:
+            raise CheckpointError(f"checkpoint {path}: {problem}.")
+        for fname in sorted(f for f in files if f.startswith("part-")):
+            try:
+                with safe_open(str(path / fname), framework="pt") as f:
+                    meta = f.metadata() or {}
+                    for key in f.keys():
+                        if key == "rng":
+                            self.rng_files.add(fname)
+                            continue
+                        info = json.loads(meta[key])
+                        off, sizes = info["box"]
+                        numel = f.get_slice(key).get_shape()[0]
+                        self.pieces.setdefault(key, []).append(
+                            Piece(fname, key, tuple(info["shape"]), tuple(off), tuple(sizes), info["flat"], numel))
+            except (SafetensorError, OSError, KeyError, ValueError) as e:
+                raise CheckpointError(f"{path / fname} is not a readable checkpoint part ({e}).") from None
+
+    def names(self) -> set:
+        return {k for k in self.pieces if not k.endswith(tuple(f".{m}" for m in MOMENTS))}
+
+    def shape(self, key: str) -> tuple:
+        return self.pieces[key][0].shape
+
+    def files_for(self, boxes: dict) -> set:
+        """Part files holding a piece of any of `boxes` ({key: (offsets, sizes)})."""
+        out = set()
+        for key, (offsets, sizes) in boxes.items():
+            out |= {p.file for p in self.pieces.get(key, []) if p.overlaps(offsets, sizes)}
+        return out
+
+    def _read(self, piece: Piece) -> torch.Tensor:
+        if self._last is not None and self._last[0] is piece:  # consecutive blocks of one piece (export)
+            return self._last[1]
+        f = self._handles.get(piece.file)
+        if f is None:
+            f = self._handles[piece.file] = safe_open(str(self.path / piece.file), framework="pt")
+        self._last = (piece, f.get_tensor(piece.key))
+        return self._last[1]
+
+    def rng(self, rank: int) -> Optional[torch.Tensor]:
+        name = part_name(rank)
+        if name not in self.rng_files:
+            return None
+        with safe_open(str(self.path / name), framework="pt") as f:
+            return f.get_tensor("rng")
+
+    def block(self, key: str, offsets: Optional[tuple] = None, sizes: Optional[tuple] = None) -> torch.Tensor:
+        """The block [offsets, offsets + sizes) of global tensor `key` (all of it by default), fp32,
+        assembled from the pieces that overlap it; every element must be covered."""
+        shape = self.shape(key)
+        offsets = tuple(offsets) if offsets is not None else (0,) * len(shape)
+        sizes = tuple(sizes) if sizes is not None else shape
+        out = torch.empty(sizes)
+        written = torch.zeros(sizes, dtype=torch.bool)
+        for piece in self.pieces[key]:
+            if piece.overlaps(offsets, sizes):
+                _place(piece, self._read(piece), out, written, offsets)
+        if not bool(written.all()):
+            raise CheckpointError(f"checkpoint {self.path} lacks part of {key} (a part file is missing its piece).")
+        return out
+
+
+def _place(piece: Piece, data: torch.Tensor, out: torch.Tensor, written: torch.Tensor, offsets: tuple) -> None:
+    """Copy the elements of a flat fragment into the target block `out` (at global `offsets`).
+    The fragment covers whole rows of the writer's block except perhaps its first and last; only
+    the rows the target also holds are rebuilt, with a mask of the elements the fragment has."""
+    row = math.prod(piece.sizes[1:])
+    r0 = max(piece.flat // row, offsets[0] - piece.offsets[0])
+    r1 = min(-(-(piece.flat + piece.numel) // row), offsets[0] + out.shape[0] - piece.offsets[0])
+    if r0 >= r1:
+        return
+    lo, hi = max(piece.flat, r0 * row), min(piece.flat + piece.numel, r1 * row)  # flat range inside these rows
+    rows = (r1 - r0,) + tuple(piece.sizes[1:])
+    buf = torch.empty(math.prod(rows))
+    have = torch.zeros(math.prod(rows), dtype=torch.bool)
+    buf[lo - r0 * row:hi - r0 * row] = data.reshape(-1)[lo - piece.flat:hi - piece.flat].float()
+    have[lo - r0 * row:hi - r0 * row] = True
+    buf, have = buf.view(rows), have.view(rows)
+    src_off = (piece.offsets[0] + r0,) + tuple(piece.offsets[1:])
+    dst, dst_w = out, written
+    for d in range(len(rows)):
+        a = max(src_off[d], offsets[d])
+        b = min(src_off[d] + rows[d], offsets[d] + out.shape[d])
+        if a >= b:
+            return
+        buf, have = buf.narrow(d, a - src_off[d], b - a), have.narrow(d, a - src_off[d], b - a)
+        dst, dst_w = dst.narrow(d, a - offsets[d], b - a), dst_w.narrow(d, a - offsets[d], b - a)
+    dst.copy_(torch.where(have, buf, dst))
+    dst_w |= have
+
+
+def read_full(path: Path, moments: bool = False) -> dict[str, torch.Tensor]:
+    """Whole fp32 tensors by global name (weights and balancing biases; with `moments`, also
+    `<name>.exp_avg` / `<name>.exp_avg_sq`). For tests and small models: it holds everything."""
+    index = Index(Path(path))
+    keys = sorted(index.pieces if moments else index.names())
+    return {k: index.block(k) for k in keys}
+
+
+# ----------------------------------------------------------------------------- load
 
 def full_model_shapes(model_cfg) -> dict:
     """Name -> shape of every weight (and balancing bias) of the whole model,
@@ -273,7 +417,7 @@ def full_model_shapes(model_cfg) -> dict:
     with torch.device("meta"):
         model = ARCHS[model_cfg.arch](model_cfg)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    shapes.update({n: tuple(b.shape) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    shapes.update({n: tuple(b.shape) for n, b in model.named_buffers() if n.endswith(BIAS)})
     return shapes
 
 
@@ -281,51 +425,65 @@ def full_model_names(model_cfg) -> set:
     return set(full_model_shapes(model_cfg))
 
 
-def _load_all(path: Path, kind: str) -> dict:
-    """Merge the per-stage files (`model-pp0.safetensors`, ...) of a checkpoint:
-    any layout can read what any layout wrote."""
-    files = sorted(path.glob(f"{kind}-pp*.safetensors"))
-    if not files:
-        raise CheckpointError(f"checkpoint {path} has no {kind} files.")
-    merged: dict = {}
-    for f in files:
-        merged.update(_load_safetensors(f))
-    return merged
+def _local_tensors(trainer) -> dict[str, torch.Tensor]:
+    module = trainer.engine.module
+    out = dict(module.named_parameters())
+    out.update({n: b for n, b in module.named_buffers() if n.endswith(BIAS)})
+    return out
+
+
+def _boxes(trainer) -> dict:
+    """{key: (offsets, sizes)} of every tensor this rank reads (weights, and moments of parameters)."""
+    boxes = {}
+    for name, t in _local_tensors(trainer).items():
+        shape, offsets = global_view(t)
+        boxes[name] = (offsets, tuple(t.shape))
+        if isinstance(t, torch.nn.Parameter):
+            boxes.update({f"{name}.{m}": boxes[name] for m in MOMENTS})
+    return boxes
+
+
+def files_to_read(path: Path, trainer) -> set:
+    """The part files this rank reads (its checksums are checked by this rank): those holding a
+    piece of its blocks, and its own RNG state. An unreadable part counts as read (and fails)."""
+    try:
+        index = Index(path)
+    except CheckpointError:
+        files, _ = _manifest_files(path)
+        return set(files or ())
+    return index.files_for(_boxes(trainer)) | ({part_name(trainer.mesh.rank)} & index.rng_files)
 
 
 def load(path: Path, trainer) -> int:
-    """Restore weights, optimizer state, RNG and step from a verified checkpoint."""
+    """Restore weights, optimizer state, RNG and step from a verified checkpoint: this rank reads
+    only the pieces that overlap what it holds."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     state = json.loads((path / "state.json").read_text())
     if state.get("arch") != trainer.cfg.model.arch:
         raise CheckpointError(f"checkpoint {path} holds a {state.get('arch')} model, but model.arch is "
                               f"{trainer.cfg.model.arch}.")
-    weights = _load_all(path, "model")
-    moments = _load_all(path, "optimizer")
-    module = trainer.engine.module
-    expected = {n: p for n, p in module.named_parameters()}
-    expected.update({n: b for n, b in module.named_buffers() if n.endswith("e_score_correction_bias")})
-    full = full_model_names(trainer.cfg.model)  # a pipeline stage holds only some of them
-    missing = sorted(full - set(weights))
-    unexpected = sorted(set(weights) - full)
+    index = Index(path)
+    full = full_model_shapes(trainer.cfg.model)  # a rank holds only some of them
+    missing, unexpected = sorted(set(full) - index.names()), sorted(index.names() - set(full))
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {path} does not fit this model: missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}.")
-    for name, target in expected.items():
-        if tuple(_shard(name, target, weights[name], trainer).shape) != tuple(target.shape):
-            raise CheckpointError(f"checkpoint {path} has {name} of shape {tuple(weights[name].shape)}, which does "
-                                  f"not fit this model's {tuple(target.shape)}.")
+    for name, shape in full.items():
+        if index.shape(name) != shape:
+            raise CheckpointError(f"checkpoint {path} has {name} of shape {index.shape(name)}, which does not fit "
+                                  f"this model's {shape}.")
     link_optimizer_state(trainer.engine)
+    boxes = _boxes(trainer)
     with torch.no_grad():
-        for name, target in expected.items():
-            value = _shard(name, target, weights[name], trainer).to(target.device)
+        for name, target in _local_tensors(trainer).items():
+            value = index.block(name, *boxes[name]).to(target.device)
             target.copy_(value.to(target.dtype))
-            if isinstance(target, torch.nn.Parameter):
-                safe_set_full_fp32_param(target, value.float())
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if f"{name}.{key}" in moments:
-                        moment = _shard(name, target, moments[f"{name}.{key}"], trainer).to(target.device)
-                        safe_set_full_optimizer_state(target, moment, key)
+            if isinstance(target, torch.nn.Parameter) and hasattr(target, "_hp_mapping"):
+                safe_set_full_fp32_param(target, value)
+                for m in MOMENTS:
+                    if f"{name}.{m}" in index.pieces:
+                        safe_set_full_optimizer_state(target, index.block(f"{name}.{m}", *boxes[name]).to(
+                            target.device), m)
         for st in trainer.engine.optimizer.optimizer.state.values():
             if "step" in st:
                 st["step"] = (torch.tensor(float(state["adam_step"]), dtype=st["step"].dtype,
@@ -333,8 +491,7 @@ def load(path: Path, trainer) -> int:
                               if torch.is_tensor(st["step"]) else state["adam_step"])
     if "noise_scale" in state:
         trainer.noise.load_state_dict(state["noise_scale"])
-    rng = _load_safetensors(path / "rng.safetensors")
-    key = f"rank{trainer.mesh.rank}"
-    if key in rng:
-        torch.set_rng_state(rng[key])
+    rng = index.rng(trainer.mesh.rank)
+    if rng is not None:
+        torch.set_rng_state(rng)
     return int(state["step"])

@@ -28,7 +28,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Iterable, Optional, Union
@@ -683,13 +682,15 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 def load_weights_file(model: torch.nn.Module, path: PathLike) -> None:
     """Load a safetensors file keyed by our names, or a run checkpoint directory
-    (checkpoints/step_N/, one model-pp<stage>.safetensors per pipeline stage), into `model`."""
+    (checkpoints/step_N/), into `model` (the whole model or one rank's part of it)."""
+    from . import init_from
     path = Path(path)
-    files = sorted(path.glob("model-pp*.safetensors")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
-        raise HFFormatError(f"weights {path} is neither a safetensors file nor a checkpoint directory with "
-                            f"model-pp*.safetensors files.")
-    load_checked(model, read_safetensors(files), str(path))
+    if init_from.is_run_checkpoint(path):
+        return init_from.load_run_checkpoint(model, model.cfg, path)
+    if not path.is_file():
+        raise HFFormatError(f"weights {path} is neither a safetensors file nor a checkpoint directory with a "
+                            f"manifest.json.")
+    init_from.load_weights_file(model, model.cfg, path)
 
 
 # fields that only shape training here, not the weights' meaning
@@ -700,7 +701,9 @@ _TRAINING_ONLY = {"bias_update_speed", "seq_aux_loss_alpha", "router_z_loss_coef
 def load_initial_weights(model: torch.nn.Module, path: PathLike) -> None:
     """train.init_from: continue a Hugging Face DeepSeek-V3 / Llama checkpoint
     directory, a safetensors file of our names, or a run checkpoint directory.
-    A Hugging Face directory must describe the same architecture as model.*."""
+    A Hugging Face directory must describe the same architecture as model.*.
+    `model` may be one rank's part (a stage, its experts, its TP shards): only the rows it
+    holds are read (init_from.py)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         return load_weights_file(model, path)
@@ -713,17 +716,8 @@ def load_initial_weights(model: torch.nn.Module, path: PathLike) -> None:
         name = differ[0]
         raise HFFormatError(f"train.init_from {path} has {name}={getattr(theirs, name)!r} but model.{name} is "
                             f"{getattr(ours, name)!r}; use the model section tools/convert_hf.py import writes.")
-    tensors = read_safetensors(_checkpoint_files(path))
-    quant = read_config(path).get("quantization_config")
-    if quant is not None:
-        tensors = _dequantize_fp8(tensors, list(quant.get("weight_block_size") or [128, 128]))
-    state = convert_hf_state_dict(tensors, ours)
-    fresh_mtp = ours.arch == "deepseek_v3" and ours.num_nextn_predict_layers > 0 and _mtp_depths(state) == 0
-    if fresh_mtp:
-        print(f"warning: {path} has no multi-token-prediction weights; the MTP module starts from its "
-              f"initialisation", file=sys.stderr, flush=True)
-    load_checked(model, state, str(path), name_of=lambda k: our_to_hf_name(k, ours.num_hidden_layers),
-                 optional_prefix="mtp." if fresh_mtp else None)
+    from .init_from import load_hf_dir
+    load_hf_dir(model, ours, path)
 
 
 def save_weights_file(model: torch.nn.Module, path: PathLike) -> Path:

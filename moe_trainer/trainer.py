@@ -24,6 +24,7 @@ from .data import data_dir, open_data
 from .expert_load import imbalance_stats, write_expert_load
 from .hf import load_initial_weights
 from .metrics import MetricSink, peak_memory_gb, peak_tflops, train_flops_per_token
+from .models.init import materialize
 from .models.registry import build_model, moe_layers
 from .moe import balance
 from .noise_scale import MicroGradNorms, NoiseScale, ReducedGradNorm
@@ -116,17 +117,19 @@ class Trainer:
         t = cfg.train
         self.data_index, self.train_data, self.val_data = open_data(
             cfg.data.path, t.seq_len, cfg.run.seed, cfg.model.vocab_size, cfg.data.val_fraction)
-        model = build_model(cfg.model, cfg.run.seed)
-        if t.init_from:  # a resumed checkpoint, if any, replaces these weights later
-            load_initial_weights(model, t.init_from)
+        # built on the meta device; parallelism slices it and this rank materialises only its
+        # stage, its experts and its TP shards (models/init.py)
         self.comm = CommCounter()
-        self.model = parallelize(model, cfg, mesh, self.comm)
+        self.model = parallelize(build_model(cfg.model, cfg.run.seed, materialized=False), cfg, mesh, self.comm)
         shm = cfg.parallel.cpu_alltoall == "shm" and dist.is_initialized() and self.layout.world > 1
         if shm:
             self._enable_shm_collectives()
         self.pipelined = self.layout.pp > 1
         if self.pipelined:
             self.model = build_stage(self.model, cfg, mesh.coord["pp"], t.seq_len)
+        materialize(self.model, cfg.run.seed, cfg.model.initializer_range)
+        if t.init_from:  # a resumed checkpoint, if any, replaces these weights later
+            load_initial_weights(self.model, t.init_from)
         self.engine = build_engine(self.model, cfg, self.layout, mpu=DeepSpeedMPU(mesh))
         if shm:
             route_deepspeed_collectives()
@@ -194,7 +197,13 @@ class Trainer:
             dist.barrier()
 
     def maybe_resume(self) -> None:
-        found = self.start.checkpoint
+        found = None
+        if self.start.checkpoint is not None:  # plan_start chose it from its manifest and sizes; each rank
+            # now checks the checksums of the files it reads, and all agree (a damaged one falls back)
+            resume = self.cfg.train.resume if self.cfg.train.resume == "auto" else str(self.start.checkpoint)
+            found = checkpoint.find_resume(self.out_dir, resume, warn=self.is_logger,
+                                           files_read=lambda path: checkpoint.files_to_read(path, self),
+                                           any_rank=self.any_rank)
         if found is not None:
             self.step = checkpoint.load(found, self)
             if self.is_logger:

@@ -152,18 +152,13 @@ def assert_same_steps(one_dir: Path, many_dir: Path, steps=(1, 2, 3, 4, 5), rel:
 
 
 def checkpoint_weights(out_dir: Path, step: int = 5) -> dict:
-    """The step's model weights, every pipeline stage's part merged (global names)."""
-    from safetensors.torch import load_file
-    merged = {}
-    for f in sorted((Path(out_dir) / "checkpoints" / f"step_{step}").glob("model-pp*.safetensors")):
-        merged.update(load_file(str(f)))
-    assert merged, f"no model-pp*.safetensors in {out_dir}/checkpoints/step_{step}"
-    return merged
+    """The step's model weights, assembled from every rank's part (global names)."""
+    from moe_trainer.checkpoint import read_full
+    return read_full(Path(out_dir) / "checkpoints" / f"step_{step}")
 
 
 def assert_same_final_weights(one_dir: Path, many_dir: Path, step: int = 5) -> None:
-    """The step's checkpoints (gathered under global expert ids and TP shards, every stage's
-    part) hold equal weights (rtol 1e-4)."""
+    """The step's checkpoints (every rank's part, under global names) hold equal weights (rtol 1e-4)."""
     import torch
     a, b = checkpoint_weights(one_dir, step), checkpoint_weights(many_dir, step)
     assert a.keys() == b.keys()

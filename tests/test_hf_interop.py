@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from moe_trainer.config import ModelConfig
 from moe_trainer.hf import (HFFormatError, from_hf, hf_config_to_model_config, model_config_to_hf, model_yaml,
-                            save_weights_file, to_hf)
+                            to_hf)
 from moe_trainer.models.registry import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -458,14 +458,15 @@ def test_cli_import_then_export_round_trips_through_transformers(tmp_path, capsy
 
 
 def test_cli_exports_a_run_checkpoint_directory(tmp_path):
-    """runs/X/checkpoints/step_N/model-pp0.safetensors (our names) + runs/X/config.yaml, no --config."""
+    """runs/X/checkpoints/step_N/ (sharded parts, our names) + runs/X/config.yaml, no --config."""
+    from moe_trainer.checkpoint import read_full, write_model
     cli = _cli()
     cfg = tiny_llama(tie_word_embeddings=True)
     model = randomize_(build_model(cfg))
     run = tmp_path / "run"
     step = run / "checkpoints" / "step_5"
-    save_weights_file(model, step / "model-pp0.safetensors")
-    assert "lm_head.weight" not in load_file(str(step / "model-pp0.safetensors"))  # as the trainer stores it
+    write_model(model, step, 5)
+    assert "lm_head.weight" not in read_full(step)  # as the trainer stores it
     (run / "config.yaml").write_text(model_yaml(cfg))
     assert cli.main(["export", "--weights", str(step), str(tmp_path / "hf"), "--dtype", "bf16"]) == 0
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

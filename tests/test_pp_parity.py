@@ -30,5 +30,5 @@ def test_pipeline_matches_one_rank(tmp_path, case):
     check(launch(world, out, TINY + STEPS + model + layout))
     assert_same_steps(ref, out)
     assert_same_final_weights(ref, out)
-    if "pp4" in case:  # every stage wrote its own part of the checkpoint
-        assert len(list((out / "checkpoints" / "step_5").glob("model-pp*.safetensors"))) == 4
+    if "pp4" in case:  # every rank wrote its own part of the checkpoint
+        assert len(list((out / "checkpoints" / "step_5").glob("part-r*.safetensors"))) == 4

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+
+from moe_trainer.checkpoint import read_full
 
 from conftest import (ROOT, TINY, VENV_BIN, check, env, free_port, launch, read_metrics, train_grad_norms,
                       train_losses)
@@ -19,10 +20,7 @@ BASE = TINY + ["train.global_batch_size=8", "train.micro_batch_size=2"]
 
 
 def weights(ckpt: Path) -> dict:
-    merged = {}
-    for f in sorted(ckpt.glob("model-pp*.safetensors")):
-        merged.update(load_file(str(f)))
-    return merged
+    return read_full(ckpt)
 
 
 def assert_same_weights(a: dict, b: dict, rtol: float, atol: float) -> None:
@@ -201,7 +199,7 @@ def _snapshot(path: Path) -> dict:
 def test_damaged_checkpoint_is_refused_and_kept(saved, tmp_path, damage, words):
     run = _copy_run(saved, tmp_path / "run")
     ckpt = run / "checkpoints" / "step_2"
-    f = ckpt / "model-pp0.safetensors"
+    f = ckpt / "part-r00000.safetensors"
     if damage == "truncate":
         f.write_bytes(f.read_bytes()[:-100])
     elif damage == "tamper":

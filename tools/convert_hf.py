@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from moe_trainer import hf  # noqa: E402
 from moe_trainer.config import ConfigError, load_config  # noqa: E402
-from moe_trainer.models.registry import build_model  # noqa: E402
+from moe_trainer.export import export_weights  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -42,7 +42,7 @@ def cmd_import(args) -> str:
 
 
 def find_run_config(weights: Path) -> Path:
-    """runs/X/checkpoints/step_N[/model-pp0.safetensors] -> runs/X/config.yaml."""
+    """runs/X/checkpoints/step_N[/part-r00000.safetensors] -> runs/X/config.yaml."""
     for parent in list(weights.resolve().parents)[:4]:
         if (parent / "config.yaml").is_file():
             return parent / "config.yaml"
@@ -53,10 +53,10 @@ def cmd_export(args) -> str:
     weights = Path(args.weights)
     config = args.config or str(find_run_config(weights))
     cfg = load_config(config, args.set)
-    model = build_model(cfg.model)
-    hf.load_weights_file(model, weights)
-    out = hf.to_hf(model, args.out_dir, dtype=DTYPES[args.dtype], stacked_experts=args.stacked_experts,
-                   overwrite=args.overwrite)
+    # streamed: one output shard in memory at a time, never the whole model
+    out = export_weights(cfg.model, weights, args.out_dir, dtype=DTYPES[args.dtype],
+                         stacked_experts=args.stacked_experts, max_shard_bytes=int(args.max_shard_gb * 1e9),
+                         overwrite=args.overwrite)
     with tempfile.TemporaryDirectory() as scratch:
         source = tokenizer_dir(args, cfg, Path(config).parent, Path(scratch))
         try:
@@ -114,6 +114,8 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     exp.add_argument("--tokenizer", help="directory with tokenizer.json + tokenizer_config.json (default: the run "
                                          "directory's, else its data's)")
+    exp.add_argument("--max-shard-gb", type=float, default=5.0,
+                     help="largest output shard in GB (memory is bounded by one shard; default: %(default)s)")
     exp.set_defaults(run=cmd_export)
     return ap
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .init import init_in_place
 from .layers import Linear, RMSNorm, RotaryEmbedding
 
 
@@ -47,7 +48,8 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleDict()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        with torch.device("cpu"):  # the rope tables are computed even when the model is built on the meta device
+            self.rotary = RotaryEmbedding(rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         # (logits, labels) -> mean loss; tensor parallelism swaps in a vocabulary-parallel one
         self.loss_fn = lm_loss
 
@@ -55,15 +57,17 @@ class CausalLM(nn.Module):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def init_weights(self) -> None:
-        """Normal(0, initializer_range) for every matrix, ones for norms, zero biases
-        (Hugging Face's initialisation), in module order: same seed -> same weights."""
-        std = self.cfg.initializer_range
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                nn.init.ones_(p) if "norm" in name else nn.init.zeros_(p)
-            else:
-                nn.init.normal_(p, mean=0.0, std=std)
+    def init_weights(self, seed: Optional[int] = None) -> None:
+        """Normal(0, initializer_range) for every matrix, ones for norms, zero biases (Hugging
+        Face's initialisation), each value a function of (seed, global name, expert index) only
+        (models/init.py). Without a seed one is drawn from torch's global generator, so
+        `torch.manual_seed(s); Model(cfg)` stays reproducible. Nothing to do on the meta device:
+        `materialize` fills what a rank keeps."""
+        if next(self.parameters()).device.type == "meta":
+            return
+        if seed is None:
+            seed = int(torch.randint(0, 2 ** 62, ()))
+        init_in_place(self, seed, self.cfg.initializer_range)
 
     def rope(self, seq_len: int, device, dtype, positions: Optional[torch.Tensor] = None):
         if positions is None:

@@ -5,17 +5,20 @@ import torch
 
 from ..config import ModelConfig
 from .deepseek_v3 import DeepseekV3
+from .init import materialize
 from .lm import CausalLM
 from .llama3 import Llama3
 
 ARCHS = {"deepseek_v3": DeepseekV3, "llama3": Llama3}
 
 
-def build_model(cfg: ModelConfig, seed: int = 1234) -> CausalLM:
-    """Same seed -> same weights, whatever the layout (parallelism slices afterwards)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return ARCHS[cfg.arch](cfg)
+def build_model(cfg: ModelConfig, seed: int = 1234, materialized: bool = True) -> CausalLM:
+    """Same seed -> same weights, whatever the layout. The model is built on the meta device;
+    `materialized=False` returns it so (parallelism slices it, then `materialize` fills only what
+    a rank keeps: models/init.py), else every parameter is given its initial values here."""
+    with torch.device("meta"):
+        model = ARCHS[cfg.arch](cfg)
+    return materialize(model, seed, cfg.initializer_range) if materialized else model
 
 
 def moe_layers(model: torch.nn.Module) -> list:

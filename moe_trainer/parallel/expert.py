@@ -49,6 +49,7 @@ from .. import kernels
 from ..kernels.accelerator import count_keys
 from ..moe.dispatcher import (CombineRows, Dispatched, GatherRows, inverse_permutation, route_order, rows_by_token,
                               sort_by_key)
+from ..models.init import global_view, mark_shard
 from ..moe.experts import Experts
 from ..moe.layer import MoE
 from .comm import CommCounter, _exchange, all_to_all_rows, all_to_all_single, enable_shm_transport
@@ -295,14 +296,18 @@ def register_deepspeed_groups(mesh: Mesh, group_name: str) -> None:
 
 
 def shard_experts(layer: MoE, ep_rank: int, ep: int) -> None:
-    """Keep this rank's slice of the (identically initialised) stacked expert weights."""
+    """Keep this rank's slice of the stacked expert weights (real or on the meta device), marked
+    with its place among the global experts (models/init.py, checkpoint.py)."""
     ex = layer.experts
     n_local = ex.n_local // ep
     lo = ep_rank * n_local
     with torch.no_grad():
-        ex.gate_up_proj = nn.Parameter(ex.gate_up_proj[lo:lo + n_local].clone())
-        ex.down_proj = nn.Parameter(ex.down_proj[lo:lo + n_local].clone())
-    ex.n_local, ex.expert_offset = n_local, lo
+        for name in ("gate_up_proj", "down_proj"):
+            old = getattr(ex, name)
+            new = nn.Parameter(old[lo:lo + n_local].clone())
+            mark_shard(new, global_view(old), (lo, 0, 0))
+            setattr(ex, name, new)
+    ex.n_local, ex.expert_offset = n_local, ex.expert_offset + lo
 
 
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, counter: Optional[CommCounter] = None,

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..models.init import global_view, mark_shard
 from .comm import (CommCounter, all_gather_along_dim, all_reduce_tensor, copy_to_region, reduce_from_region,
                    reduce_scatter_along_dim)
 from .mesh import Mesh
@@ -71,6 +72,32 @@ def kv_heads_of_rank(cfg: ModelConfig, tp: int, index: int) -> tuple[int, int]:
     return first_q // (hq // kv), 1  # replicated: the kv head of this rank's query heads
 
 
+def shard_range(name: str, cfg: ModelConfig, tp: int, index: int) -> Optional[tuple[int, int, int]]:
+    """Pure: (dim, start, length) of the part of parameter `name` that tp rank `index` holds, or
+    None when every tp rank holds all of it (norms)."""
+    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        v = cfg.vocab_size // tp
+        return 0, index * v, v
+    if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+        n = cfg.num_attention_heads // tp * head_dim
+        return 0, index * n, n
+    if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias",
+                      "self_attn.v_proj.weight", "self_attn.v_proj.bias")):
+        first, n = kv_heads_of_rank(cfg, tp, index)
+        return 0, first * head_dim, n * head_dim
+    if name.endswith("self_attn.o_proj.weight"):
+        n = cfg.num_attention_heads // tp * head_dim
+        return 1, index * n, n
+    if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+        n = cfg.intermediate_size // tp
+        return 0, index * n, n
+    if name.endswith("mlp.down_proj.weight"):
+        n = cfg.intermediate_size // tp
+        return 1, index * n, n
+    return None
+
+
 def shard_param(name: str, full: torch.Tensor, cfg: ModelConfig, tp: int, index: int
                 ) -> tuple[torch.Tensor, Optional[int]]:
     """Pure: (the part of parameter `name` that tp rank `index` holds, the dim it is split along or None).
@@ -78,31 +105,11 @@ def shard_param(name: str, full: torch.Tensor, cfg: ModelConfig, tp: int, index:
     Works for weights and for their gradients alike (the grad of a shard is the
     shard of the grad), so tests and checkpoint conversion reuse it.
     """
-    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
-
-    def rows(start: int, n: int, dim: int = 0):
-        return full.narrow(dim, start, n), dim
-
-    if name in ("embed_tokens.weight", "lm_head.weight"):
-        v = cfg.vocab_size // tp
-        return rows(index * v, v)
-    if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-        n = cfg.num_attention_heads // tp * head_dim
-        return rows(index * n, n)
-    if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias",
-                      "self_attn.v_proj.weight", "self_attn.v_proj.bias")):
-        first, n = kv_heads_of_rank(cfg, tp, index)
-        return rows(first * head_dim, n * head_dim)
-    if name.endswith("self_attn.o_proj.weight"):
-        n = cfg.num_attention_heads // tp * head_dim
-        return rows(index * n, n, dim=1)
-    if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
-        n = cfg.intermediate_size // tp
-        return rows(index * n, n)
-    if name.endswith("mlp.down_proj.weight"):
-        n = cfg.intermediate_size // tp
-        return rows(index * n, n, dim=1)
-    return full, None  # norms: replicated
+    r = shard_range(name, cfg, tp, index)
+    if r is None:
+        return full, None  # norms: replicated
+    dim, start, n = r
+    return full.narrow(dim, start, n), dim
 
 
 # ----------------------------------------------------------------------------- modules
@@ -201,16 +208,21 @@ def _sum_grad_over_sharers(p: nn.Parameter, slot: int, n_slots: int, group, coun
     p.register_hook(hook)
 
 
-def _shard_weights(model: nn.Module, cfg: ModelConfig, tp: int, index: int) -> None:
-    """Slice every parameter in place (same Parameter objects, so ties survive)
-    and set the tensor_model_parallel / partition_dim marks."""
+def shard_weights(model: nn.Module, cfg: ModelConfig, tp: int, index: int) -> None:
+    """Slice every parameter in place (same Parameter objects, so ties survive; real or on the
+    meta device), set the tensor_model_parallel / partition_dim marks, and record each shard's
+    place in the global tensor (models/init.py's shard_of)."""
     replicated_kv = (cfg.num_key_value_heads or cfg.num_attention_heads) < tp
     for name, p in model.named_parameters():
+        parent = global_view(p)
         part, dim = shard_param(name, p.data, cfg, tp, index)
         p.data = part.clone()
         p.tensor_model_parallel = dim is not None
         if dim is not None:
             p.partition_dim = dim
+            offsets = [0] * p.dim()
+            offsets[dim] = shard_range(name, cfg, tp, index)[1]
+            mark_shard(p, parent, offsets)
         if replicated_kv and name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
             sharers = tp // (cfg.num_key_value_heads or cfg.num_attention_heads)
             p.tensor_model_parallel = index % sharers == 0  # count each distinct head once (module docstring)
@@ -234,7 +246,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool,
     check_tensor_parallel(cfg, tp)
     group, index = mesh.group("tp"), mesh.index("tp")
     n_kv = cfg.num_key_value_heads or cfg.num_attention_heads
-    _shard_weights(model, cfg, tp, index)
+    shard_weights(model, cfg, tp, index)
     vocab_start = index * (cfg.vocab_size // tp)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, vocab_start, group,
                                                 sequence_parallel, counter)
