@@ -41,7 +41,7 @@ def test_int_accepted_for_float():
     (["model.n_group=8", "model.topk_group=1", "model.num_experts_per_tok=4"], ["topk_group (1)", "cannot supply"]),
     (["model.capacity_factor=0"], ["model.capacity_factor", "positive"]),
     (["model.qk_rope_head_dim=7"], ["qk_rope_head_dim", "even"]),
-    (["train.global_batch_size=12"], ["global_batch_size (12)", "micro_batch_size (8)"]),
+    (["train.global_batch_size=13"], ["global_batch_size (13)", "micro_batch_size (2)"]),
     (["train.seq_len=0"], ["train.seq_len", "positive"]),
     (["parallel.pp=9"], ["num_hidden_layers (4)", "parallel.pp (9)"]),
     (["parallel.pp=2", "parallel.pp_partition=[1, 1]"], ["parallel.pp_partition", "summing to 4"]),
