@@ -384,10 +384,17 @@ class PipelineExecutor:
                 return self._forward(i, c, get_batch, received.pop(("act", i, c), None), saved, res)
             # DeepSpeed reduces the gradients in the backward it deems the accumulation boundary; with
             # v chunks a micro-batch has v backwards here, so name it: this step's last backward
-            self.engine.set_gradient_accumulation_boundary(self.ops[last_backward] == op)
-            return self._backward(i, c, received.pop(("grad", i, c), None), saved, res)
+            boundary = self.ops[last_backward] == op
+            self.engine.set_gradient_accumulation_boundary(boundary)
+            out = self._backward(i, c, received.pop(("grad", i, c), None), saved, res)
+            if c == 0 and not boundary:  # a micro-batch's last backward on this rank: one step() each
+                self.engine.step()
+            return out
 
         self._run(self.units, run_op, res)
+        # the optimizer step (at the boundary) only after the final sends: its gradient norm is a
+        # collective over every stage, and the stage before still waits for this one's last gradient
+        self.engine.step()
         return res
 
     def _forward(self, i, c, get_batch, carried, saved, res) -> dict:
@@ -428,8 +435,6 @@ class PipelineExecutor:
         t1 = time.perf_counter()
         self.trace.record("backward", i, t0, t1, c)
         res.backward_s += t1 - t0
-        if c == 0:  # a micro-batch's last backward on this rank: one engine.step() per micro-batch
-            self.engine.step()  # the optimizer steps at the accumulation boundary
         return {} if self.stage.is_first(c) else {("grad", i, c): carried.grad}
 
     @torch.no_grad()
