@@ -312,19 +312,29 @@ def balanced_partition(n_layers: int, pp: int) -> list[int]:
 
 def stage_partition(cfg: Config) -> list[int]:
     """Layers per stage exactly as the trainer splits them: `parallel.pp_partition`
-    if given, else balanced by estimated compute (parallel/pipeline.py)."""
-    from .parallel.pipeline import stage_layers
-    return [len(layers) for layers in stage_layers(cfg, cfg.train.seq_len)]
+    if given, else balanced by estimated compute (parallel/pipeline.py). With
+    parallel.virtual_stages > 1, the layers of each rank's chunks together (the
+    memory figures treat them as one block)."""
+    from .parallel.pipeline import rank_chunks, stage_layers
+    virtual, pp = stage_layers(cfg, cfg.train.seq_len), cfg.parallel.pp
+    return [sum(len(c) for c in rank_chunks(virtual, s, pp)) for s in range(pp)]
 
 
-def in_flight(stage: int, pp: int, micro_batches: int) -> int:
-    """Micro-batches whose activations stage `stage` (0-based) holds at once under 1F1B: min(pp - stage, m)."""
-    return min(pp - stage, micro_batches)
+def in_flight(stage: int, pp: int, micro_batches: int, chunks: int = 1) -> float:
+    """Micro-batches' worth of activations stage `stage` (0-based) holds at once under 1F1B:
+    min(pp - stage, m); interleaved (chunks = v > 1): the warm-up's chunk forwards plus one,
+    each 1/v of the stage's layers (stage 0: (v p + p - 1) / v, more than plain 1F1B's p)."""
+    if chunks == 1:
+        return min(pp - stage, micro_batches)
+    from .parallel.pipeline import interleaved_warmup
+    warmup = interleaved_warmup(stage, pp, micro_batches, chunks)
+    return min(warmup + 1, chunks * micro_batches) / chunks
 
 
-def bubble_fraction(pp: int, micro_batches: int) -> float:
-    """Idle share of a 1F1B / GPipe step: (p - 1) / (m + p - 1)."""
-    return (pp - 1) / (micro_batches + pp - 1)
+def bubble_fraction(pp: int, micro_batches: int, chunks: int = 1) -> float:
+    """Idle share of a 1F1B / GPipe step: (p - 1) / (m + p - 1); interleaved over v chunks per
+    rank: (p - 1) / (v m + p - 1)."""
+    return (pp - 1) / (chunks * micro_batches + pp - 1)
 
 
 def _layer_stages(partition: Sequence[int]) -> list[int]:
@@ -476,7 +486,7 @@ class StageActivations:
     per_micro_batch: float  # no recomputation
     per_micro_batch_recompute: float  # full recomputation: each layer's input (the loss is kept)
     working_set: float  # full recomputation: one layer's activations rebuilt during its backward
-    in_flight: int
+    in_flight: float  # micro-batches' worth (fractional with parallel.virtual_stages > 1)
     no_recompute: float  # in_flight * per_micro_batch
     full_recompute: float  # in_flight * per_micro_batch_recompute + working_set
 
@@ -514,7 +524,7 @@ def stage_activation_bytes(cfg: Config, partition: Sequence[int], stage: int, mi
     full = [layer_acts(m, i, p.tp, b).per_rank(p.tp, sp) * tokens for i in blocks]
     loss = _loss_acts(m, p.tp, b).per_rank(p.tp, sp) * tokens if stage == len(partition) - 1 else 0.0
     kept = len(blocks) * m.hidden_size * b / (p.tp if sp else 1) * tokens + loss
-    flight = in_flight(stage, p.pp, micro_batches)
+    flight = in_flight(stage, p.pp, micro_batches, p.virtual_stages)
     working = max(full, default=0.0)
     return StageActivations(per_micro_batch=sum(full) + loss, per_micro_batch_recompute=kept,
                             working_set=working, in_flight=flight, no_recompute=flight * (sum(full) + loss),
@@ -812,6 +822,19 @@ class Plan:
     peak_stage: int
     peak_bytes: float
     fits: bool
+    virtual_stages: int = 1  # chunks per pipeline rank (interleaved 1F1B when > 1)
+
+
+def _bubble_line(plan: Plan, pp: int, mb: int) -> str:
+    """The pipeline bubble and stage 0's activations in flight, plain or interleaved (v > 1)."""
+    v = plan.virtual_stages
+    flight = plan.stages[0].activations.in_flight
+    if v == 1:
+        return (f"**Pipeline bubble** (p-1)/(m+p-1) = {pp - 1}/{mb + pp - 1} = {plan.bubble:.1%}. "
+                f"In flight on stage 0: {flight} micro-batches.")
+    return (f"**Pipeline bubble**, interleaved 1F1B over v = {v} chunks per rank: (p-1)/(v*m+p-1) = {pp - 1}/"
+            f"{v * mb + pp - 1} = {plan.bubble:.1%} (plain 1F1B: {bubble_fraction(pp, mb):.1%}). In flight on "
+            f"stage 0: {flight:g} micro-batches' worth of activations (plain 1F1B: {in_flight(0, pp, mb)}).")
 
 
 def _tokens_per_rank(cfg: Config) -> float:
@@ -892,8 +915,8 @@ def make_plan(cfg: Config, gpus: int, gpu_memory_gb: float = 80.0, zero: int = 1
         sequence_parallel=p.sequence_parallel and p.tp > 1, dedup_dispatch=p.dedup_dispatch,
         dense_group=layout.dp * layout.cp, gpu_memory_gb=gpu_memory_gb, params=count_parameters(m),
         partition=partition, stages=stages, state_table=table, heaviest_stage=heaviest, alltoall_per_layer=alltoall,
-        bubble=bubble_fraction(p.pp, layout.grad_accum), peak_stage=peak.stage, peak_bytes=peak.total,
-        fits=peak.total <= gpu_memory_gb * GB)
+        bubble=bubble_fraction(p.pp, layout.grad_accum, p.virtual_stages), peak_stage=peak.stage, peak_bytes=peak.total,
+        fits=peak.total <= gpu_memory_gb * GB, virtual_stages=p.virtual_stages)
 
 
 def _param_count_dict(pc: ParamCount) -> dict:
@@ -1065,8 +1088,7 @@ def format_plan(plan: Plan, title: str = "") -> str:
              f"{plan.micro_batch_size} x {plan.seq_len} tokens, {mb} micro-batches per step, global batch "
              f"{plan.global_batch_size} sequences = {tokens / 1e6:.1f}M tokens.", "",
              *_param_lines(plan.params), *_state_lines(plan), *_stage_lines(plan), *_comm_lines(plan),
-             f"**Pipeline bubble** (p-1)/(m+p-1) = {pp - 1}/{mb + pp - 1} = {plan.bubble:.1%}. "
-             f"In flight on stage 0: {plan.stages[0].activations.in_flight} micro-batches.", "",
+             _bubble_line(plan, pp, mb), "",
              f"**Verdict:** the heaviest rank (stage {plan.peak_stage}) needs {fmt_bytes(plan.peak_bytes)}; "
              f"it {verdict} in {plan.gpu_memory_gb:g} GB.", ""]
     return "\n".join(lines)
