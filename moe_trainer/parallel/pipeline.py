@@ -7,7 +7,10 @@ born on every stage, multi-token prediction on the last stage needs the
 token embeddings of the first, and the balancing bias is updated after the
 step. The executor keeps DeepSpeed's engine for ZeRO-1: every backward goes
 through `engine.backward`, every micro-batch ends with `engine.step()`, so the
-optimizer steps at the accumulation boundary exactly as without a pipeline.
+optimizer steps at the accumulation boundary exactly as without a pipeline. With
+v chunks per rank (interleaved 1F1B, `parallel.virtual_stages`) a micro-batch has
+v backwards on a rank: the boundary is named explicitly (the step's last
+backward), and step() follows each micro-batch's chunk-0 backward.
 
 Stages exchange one tensor per micro-batch: the hidden states, with the token
 embeddings concatenated along the last dimension when MTP is on (the last
@@ -354,6 +357,7 @@ class PipelineExecutor:
         self.pp, self.s = pp, s
         self.units = schedule_units(schedule, s, pp, micro_batches, self.v)
         self.ops = [op for unit in self.units for op in unit]
+        self.boundary = [op for op in self.ops if op[0] == "B"][-1]  # DeepSpeed's accumulation boundary
         self.peers = chunk_peers(s, pp, self.v, mesh.members["pp"])
         self.trace = trace or Trace()
         self.meter = meter
@@ -376,7 +380,6 @@ class PipelineExecutor:
         """get_batch(i) -> (input_ids, labels, positions) of micro-batch i."""
         res = StepResult(losses={})
         saved: dict[tuple, tuple] = {}
-        last_backward = max(n for n, op in enumerate(self.ops) if op[0] == "B")
 
         def run_op(op, received):
             kind, i, c = op
@@ -384,7 +387,7 @@ class PipelineExecutor:
                 return self._forward(i, c, get_batch, received.pop(("act", i, c), None), saved, res)
             # DeepSpeed reduces the gradients in the backward it deems the accumulation boundary; with
             # v chunks a micro-batch has v backwards here, so name it: this step's last backward
-            boundary = self.ops[last_backward] == op
+            boundary = op == self.boundary
             self.engine.set_gradient_accumulation_boundary(boundary)
             out = self._backward(i, c, received.pop(("grad", i, c), None), saved, res)
             if c == 0 and not boundary:  # a micro-batch's last backward on this rank: one step() each
