@@ -125,8 +125,9 @@ class ParallelConfig:
     # wherever that cannot work) | gloo
     cpu_alltoall: str = "shm"
     recompute: str = "none"  # none | selective | full
-    schedule: str = "1f1b"  # pipeline order: 1f1b | gpipe (the reference, m micro-batches in flight)
-    pp_partition: Optional[list] = None  # layers per stage, e.g. [2, 3]; None = balanced
+    schedule: str = "1f1b"  # pipeline order: 1f1b (interleaved when virtual_stages > 1) | gpipe (the reference)
+    virtual_stages: int = 1  # chunks per pipeline rank (v): rank s holds chunks s, s + pp, ...; > 1: interleaved
+    pp_partition: Optional[list] = None  # layers per stage (pp * virtual_stages of them), e.g. [2, 3]; None = balanced
     timeout_s: int = 300  # collective timeout: a dead rank ends the job
     # expert placement plan (tools/expert_load.py plan): none | <plan JSON> | auto (<run.out_dir>/
     # expert_placement.json when it exists at start or resume, written by `expert_load.py plan --apply`)
@@ -358,7 +359,7 @@ def validate(cfg: Config) -> None:
         "train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,
         "train.max_steps": t.max_steps, "train.log_every": t.log_every,
         "parallel.pp": p.pp, "parallel.ep": p.ep, "parallel.tp": p.tp, "parallel.cp": p.cp,
-        "parallel.timeout_s": p.timeout_s,
+        "parallel.virtual_stages": p.virtual_stages, "parallel.timeout_s": p.timeout_s,
     }
     for key, value in positive.items():
         _require(value > 0, f"{key} must be a positive integer, got {value}.")
@@ -384,13 +385,20 @@ def validate(cfg: Config) -> None:
              f"train.seq_len ({t.seq_len}) must be divisible by 2 * parallel.cp ({2 * p.cp}).")
     _require(m.num_hidden_layers >= p.pp,
              f"model.num_hidden_layers ({m.num_hidden_layers}) must be at least parallel.pp ({p.pp}).")
+    _require(p.virtual_stages == 1 or p.pp > 1,
+             f"parallel.virtual_stages ({p.virtual_stages}) needs parallel.pp > 1 (chunks interleave across "
+             f"pipeline ranks).")
+    _require(m.num_hidden_layers >= p.pp * p.virtual_stages,
+             f"parallel.pp * parallel.virtual_stages ({p.pp} * {p.virtual_stages} = {p.pp * p.virtual_stages} "
+             f"chunks) must not exceed model.num_hidden_layers ({m.num_hidden_layers}): every chunk needs a layer.")
     _require(p.expert_placement.strip() != "",
              "parallel.expert_placement must be none, auto or the path of a plan JSON, got an empty string.")
     if p.pp_partition is not None:
-        _require(len(p.pp_partition) == p.pp and all(isinstance(n, int) and n >= 1 for n in p.pp_partition)
+        chunks = p.pp * p.virtual_stages
+        _require(len(p.pp_partition) == chunks and all(isinstance(n, int) and n >= 1 for n in p.pp_partition)
                  and sum(p.pp_partition) == m.num_hidden_layers,
-                 f"parallel.pp_partition must list {p.pp} positive layer counts summing to "
-                 f"{m.num_hidden_layers}, got {p.pp_partition}.")
+                 f"parallel.pp_partition must list {chunks} positive layer counts (parallel.pp * "
+                 f"parallel.virtual_stages, in model order) summing to {m.num_hidden_layers}, got {p.pp_partition}.")
     if m.rope_scaling is not None:
         kind = m.rope_scaling.get("rope_type", m.rope_scaling.get("type"))
         _require(kind in ("yarn", "llama3", "default"),
@@ -480,6 +488,10 @@ def validate_layout(cfg: Config, world_size: int) -> Layout:
     _require(p.micro_batches in (0, grad_accum),
              f"parallel.micro_batches ({p.micro_batches}) must be 0 or global_batch_size / (micro_batch_size * dp) "
              f"= {grad_accum}.")
+    _require(p.virtual_stages == 1 or grad_accum % p.pp == 0,
+             f"parallel.micro_batches ({grad_accum} = global_batch_size / (micro_batch_size * dp)) must be a "
+             f"multiple of parallel.pp ({p.pp}) with parallel.virtual_stages > 1 (the interleaved order sends "
+             f"micro-batches through in groups of pp).")
     return Layout(world=world_size, pp=p.pp, tp=p.tp, cp=p.cp, dp=dp, ep=p.ep,
                   edp=dp * p.cp // p.ep, grad_accum=grad_accum)
 

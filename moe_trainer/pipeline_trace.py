@@ -1,7 +1,8 @@
 """Pipeline schedule traces: measured bubble, executed order, and a PNG timeline.
 
-Input: one list of events per stage, each {"kind", "micro", "start", "end"}
-(seconds from the step's common start), as parallel/pipeline.py's Trace records.
+Input: one list of events per stage, each {"kind", "micro", "chunk", "start", "end"}
+(seconds from the step's common start), as parallel/pipeline.py's Trace records; "chunk" is the
+rank's chunk under the interleaved schedule (0 otherwise, and in traces written before it).
 """
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ from pathlib import Path
 COMPUTE = ("forward", "backward")
 
 
-def executed_order(events: list[dict]) -> list[tuple[str, int]]:
-    """("F" | "B", micro) in the order this stage ran them."""
+def executed_order(events: list[dict]) -> list[tuple[str, int, int]]:
+    """("F" | "B", micro, chunk) in the order this stage ran them."""
     ops = sorted((e for e in events if e["kind"] in COMPUTE), key=lambda e: e["start"])
-    return [("F" if e["kind"] == "forward" else "B", e["micro"]) for e in ops]
+    return [("F" if e["kind"] == "forward" else "B", e["micro"], e.get("chunk", 0)) for e in ops]
 
 
 def peak_in_flight_measured(events: list[dict]) -> int:
-    """Most micro-batches whose forward had ended and backward not yet started."""
+    """Most (micro-batch, chunk) activations whose forward had ended and backward not yet started."""
     points = []
     for e in events:
         if e["kind"] == "forward":
@@ -43,12 +44,13 @@ def measured_bubble(stages: list[list[dict]]) -> float:
 
 
 def write_trace(out_dir: Path, stages: list[list[dict]], micro_batches: int, step: int,
-                schedule: str = "1f1b") -> dict:
+                schedule: str = "1f1b", chunks: int = 1) -> dict:
     """pipeline_trace.json and pipeline_trace.png in the run directory; returns the summary."""
     from .parallel.pipeline import theoretical_bubble
     pp = len(stages)
     summary = {"step": step, "schedule": schedule, "stages": pp, "micro_batches": micro_batches,
-               "measured_bubble": measured_bubble(stages), "theoretical_bubble": theoretical_bubble(pp, micro_batches),
+               "virtual_stages": chunks, "measured_bubble": measured_bubble(stages),
+               "theoretical_bubble": theoretical_bubble(pp, micro_batches, chunks),
                "peak_in_flight": [peak_in_flight_measured(ev) for ev in stages],
                "events": stages}
     tmp = Path(out_dir) / f"pipeline_trace.json.tmp{os.getpid()}"
@@ -59,28 +61,33 @@ def write_trace(out_dir: Path, stages: list[list[dict]], micro_batches: int, ste
 
 
 def plot_timeline(stages: list[list[dict]], path: Path, summary: dict) -> None:
-    """Stages as rows, forward / backward boxes coloured by micro-batch, waits hatched."""
+    """Stages as rows, forward / backward boxes coloured by micro-batch and labelled F<micro> (F<micro>.<chunk>
+    with chunks, each chunk with its own hatching), waits hatched grey."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     cmap = plt.get_cmap("tab20")
-    fig, ax = plt.subplots(figsize=(12, 0.8 + 0.7 * len(stages)))
+    chunks = summary.get("virtual_stages", 1)
+    hatches = ["", "..", "xx", "\\\\", "oo", "++"]
+    fig, ax = plt.subplots(figsize=(12 if chunks == 1 else 16, 0.8 + 0.7 * len(stages)))
     for s, events in enumerate(stages):
         for e in events:
             if e["kind"] in COMPUTE:
-                fwd = e["kind"] == "forward"
+                fwd, c = e["kind"] == "forward", e.get("chunk", 0)
                 ax.barh(s, e["end"] - e["start"], left=e["start"], height=0.8 if fwd else 0.5,
-                        color=cmap(e["micro"] % 20), edgecolor="black", linewidth=0.5, alpha=1.0 if fwd else 0.6)
-                ax.text(e["start"] + (e["end"] - e["start"]) / 2, s, ("F" if fwd else "B") + str(e["micro"]),
-                        ha="center", va="center", fontsize=6)
+                        color=cmap(e["micro"] % 20), edgecolor="black", linewidth=0.5, alpha=1.0 if fwd else 0.6,
+                        hatch=hatches[c % len(hatches)])
+                label = ("F" if fwd else "B") + str(e["micro"]) + (f".{c}" if chunks > 1 else "")
+                ax.text(e["start"] + (e["end"] - e["start"]) / 2, s, label, ha="center", va="center", fontsize=6)
             elif e["kind"].startswith("recv"):
                 ax.barh(s, e["end"] - e["start"], left=e["start"], height=0.2, color="lightgrey", hatch="//")
     ax.set_yticks(range(len(stages)), [f"stage {s}" for s in range(len(stages))])
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the step's start")
-    ax.set_title(f"{summary['schedule'].upper()}, {summary['stages']} stages x {summary['micro_batches']} micro-batches: bubble "
+    name = summary["schedule"].upper() if chunks == 1 else f"interleaved {summary['schedule'].upper()} (v={chunks})"
+    ax.set_title(f"{name}, {summary['stages']} stages x {summary['micro_batches']} micro-batches: bubble "
                  f"{100 * summary['measured_bubble']:.1f}% measured, "
-                 f"{100 * summary['theoretical_bubble']:.1f}% = (p-1)/(m+p-1)")
+                 f"{100 * summary['theoretical_bubble']:.1f}% = (p-1)/({'v*' if chunks > 1 else ''}m+p-1)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -379,10 +379,11 @@ class Trainer:
         if self.is_logger:
             from .pipeline_trace import write_trace
             stages = [ev for coord, ev in events if coord["dp"] == 0 and coord["tp"] == 0 and coord["cp"] == 0]
+            v = self.cfg.parallel.virtual_stages
             summary = write_trace(self.out_dir, stages, self.layout.grad_accum, self.step,
-                                  schedule=self.cfg.parallel.schedule)
+                                  schedule=self.cfg.parallel.schedule, chunks=v)
             print(f"pipeline bubble: {100 * summary['measured_bubble']:.1f}% measured, "
-                  f"{100 * summary['theoretical_bubble']:.1f}% theoretical (p-1)/(m+p-1); "
+                  f"{100 * summary['theoretical_bubble']:.1f}% theoretical (p-1)/({'v*' if v > 1 else ''}m+p-1); "
                   f"trace in {self.out_dir / 'pipeline_trace.json'}", flush=True)
 
     def reduce_losses(self, values: dict) -> dict[str, float]:

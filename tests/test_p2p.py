@@ -11,38 +11,50 @@ from typing import Optional
 import pytest
 import torch
 
-from moe_trainer.parallel.p2p import Transfer, comm_plan, needs, produces
-from moe_trainer.parallel.pipeline import SCHEDULES
+from moe_trainer.parallel.p2p import Transfer, chunk_peers, comm_plan, needs, produces
+from moe_trainer.parallel.pipeline import SCHEDULES, forward_only, schedule_units
 
 from conftest import spawn_ranks
 
 
-def neighbours(s: int, p: int) -> tuple[Optional[int], Optional[int]]:
-    return (s - 1 if s > 0 else None), (s + 1 if s < p - 1 else None)
+def batched_plan(schedule: str, s: int, p: int, m: int, v: int = 1) -> list[list[Transfer]]:
+    """Stage s's batches of transfers, in issue order, as the executor posts them ("eval": the
+    forward-only order of evaluation)."""
+    units = ([[op] for op in forward_only(s, p, m, v)] if schedule == "eval"
+             else schedule_units(schedule, s, p, m, v))
+    return [batch for batch, _ in comm_plan(units, chunk_peers(s, p, v, list(range(p)))) if batch]
 
 
-def batched_plan(schedule: str, s: int, p: int, m: int) -> list[list[Transfer]]:
-    """Stage s's batches of transfers, in issue order, as the executor posts them."""
-    return [batch for batch, _ in comm_plan(SCHEDULES[schedule](s, p, m), *neighbours(s, p)) if batch]
-
-
-def unbatched_plan(schedule: str, s: int, p: int, m: int) -> list[list[Transfer]]:
+def unbatched_plan(schedule: str, s: int, p: int, m: int, v: int = 1) -> list[list[Transfer]]:
     """The order before batching: each receive right before its operation, each send right after."""
-    out = []
-    for op in SCHEDULES[schedule](s, p, m):
-        out += [[t] for t in needs(op, *neighbours(s, p))]
-        out += [[t] for t in produces(op, *neighbours(s, p))]
+    out, peers = [], chunk_peers(s, p, v, list(range(p)))
+    for op in SCHEDULES[schedule](s, p, m, v):
+        out += [[t] for t in needs(op, peers)]
+        out += [[t] for t in produces(op, peers)]
     return out
 
 
-def simulate(plans: list[list[list[Transfer]]]) -> Optional[str]:
-    """Run every rank's batches under the rule; None if all finish, else where they are stuck.
+def _identity(rank: int, t: Transfer, p: int) -> tuple:
+    """What a transfer carries, the same on both ends: (kind, micro, the receiving virtual stage)."""
+    g = t.chunk * p + rank
+    if t.send:
+        g += 1 if t.kind == "act" else -1
+    return t.kind, t.micro, g
 
-    Transfers on a channel (src -> dst) match in order. A transfer completes when its partner is
-    in the partner rank's current batch; a rank moves to its next batch once all of its current
-    batch completed."""
-    ops = []  # per rank, per batch: [(src, dst, kind, n)]
+
+def simulate(plans: list[list[list[Transfer]]]) -> Optional[str]:
+    """Run every rank's batches under the rule; None if all finish, else where they are stuck or
+    which tensors would be swapped.
+
+    As in NCCL, transfers on a channel (src -> dst) match in issue order, whatever they carry: the
+    n-th send from src to dst meets the n-th receive posted for it, which must be the same tensor
+    (kind, micro-batch, virtual stage), else the data lands in the wrong buffer. A transfer
+    completes when its partner is in the partner rank's current batch; a rank moves to its next
+    batch once all of its current batch completed."""
+    p = len(plans)
+    ops = []  # per rank, per batch: [(src, dst, n, is_send)]
     count: dict = {}
+    carried: dict = {}  # (src, dst, n, is_send) -> identity
     for r, batches in enumerate(plans):
         ops.append([])
         for batch in batches:
@@ -51,32 +63,36 @@ def simulate(plans: list[list[list[Transfer]]]) -> Optional[str]:
                 src, dst = (r, t.peer) if t.send else (t.peer, r)
                 n = count.get((src, dst, t.send), 0)
                 count[(src, dst, t.send)] = n + 1
-                row.append((src, dst, t.kind, n, t.send))
+                row.append((src, dst, n, t.send))
+                carried[row[-1]] = _identity(r, t, p)
             ops[-1].append(row)
     for (src, dst, is_send), n in count.items():  # every send has its receive
         assert count.get((src, dst, not is_send)) == n, (src, dst)
-    pos, done = [0] * len(plans), set()
+    for (src, dst, n, is_send), what in carried.items():
+        if is_send and carried[(src, dst, n, False)] != what:
+            return f"{src} -> {dst} message #{n}: sends {what}, the receive expects {carried[(src, dst, n, False)]}"
+    pos, done = [0] * p, set()
     while True:
         moved = False
-        for r in range(len(plans)):
+        for r in range(p):
             if pos[r] == len(ops[r]):
                 continue
-            for src, dst, kind, n, is_send in ops[r][pos[r]]:
+            for src, dst, n, is_send in ops[r][pos[r]]:
                 peer = dst if is_send else src
-                partner = (src, dst, kind, n, not is_send)
+                partner = (src, dst, n, not is_send)
                 if pos[peer] < len(ops[peer]) and partner in ops[peer][pos[peer]]:
-                    done.update({(src, dst, kind, n, is_send), partner})
-        for r in range(len(plans)):
+                    done.update({(src, dst, n, is_send), partner})
+        for r in range(p):
             while pos[r] < len(ops[r]) and all(o in done for o in ops[r][pos[r]]):
                 pos[r] += 1
                 moved = True
-        if all(pos[r] == len(ops[r]) for r in range(len(plans))):
+        if all(pos[r] == len(ops[r]) for r in range(p)):
             return None
         if not moved:
-            return "; ".join(f"stage {r} stuck at {ops[r][pos[r]]}" for r in range(len(plans)) if pos[r] < len(ops[r]))
+            return "; ".join(f"stage {r} stuck at {ops[r][pos[r]]}" for r in range(p) if pos[r] < len(ops[r]))
 
 
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES) + ["eval"])
 def test_every_schedule_is_deadlock_free_under_nccl_rule(schedule):
     for p in range(1, 9):
         for m in range(1, 17):
@@ -84,22 +100,53 @@ def test_every_schedule_is_deadlock_free_under_nccl_rule(schedule):
             assert stuck is None, (schedule, p, m, stuck)
 
 
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES) + ["eval"])
+def test_every_interleaved_schedule_is_deadlock_free_under_nccl_rule(schedule):
+    """v chunks per rank, the wrap-around from the last rank to rank 0 included: every p <= 8,
+    m <= 16 a multiple of p, v in {2, 3, 4} finishes, each message landing in its own buffer."""
+    for p in range(2, 9):
+        for m in range(p, 17, p):
+            for v in (2, 3, 4):
+                stuck = simulate([batched_plan(schedule, s, p, m, v) for s in range(p)])
+                assert stuck is None, (schedule, p, m, v, stuck)
+
+
 def test_the_unbatched_order_deadlocks_under_nccl_rule():
     """The simulation can fail: 1F1B with each transfer issued alone (the executor's order before
-    batching) deadlocks as soon as a steady state exists."""
+    batching) deadlocks as soon as a steady state exists; so does the interleaved order."""
     assert simulate([unbatched_plan("1f1b", s, 2, 2) for s in range(2)]) is not None
     for p, m in [(2, 4), (4, 8), (8, 16)]:
         assert simulate([unbatched_plan("1f1b", s, p, m) for s in range(p)]) is not None, (p, m)
     assert simulate([unbatched_plan("1f1b", s, 2, 1) for s in range(2)]) is None  # no steady state
+    for p, m, v in [(2, 4, 2), (4, 8, 2), (4, 8, 4)]:
+        assert simulate([unbatched_plan("1f1b", s, p, m, v) for s in range(p)]) is not None, (p, m, v)
+
+
+def test_the_interleaved_order_one_operation_at_a_time_deadlocks():
+    """The naive batching of the interleaved order (each operation's sends with the next
+    operation's receives, no forward-backward units) deadlocks under the rule; the units pass."""
+    for p, m, v in [(2, 4, 2), (4, 8, 2), (4, 16, 3)]:
+        peers = [chunk_peers(s, p, v, list(range(p))) for s in range(p)]
+        naive = [[b for b, _ in comm_plan([[op] for op in SCHEDULES["1f1b"](s, p, m, v)], peers[s]) if b]
+                 for s in range(p)]
+        assert simulate(naive) is not None, (p, m, v)
+        assert simulate([batched_plan("1f1b", s, p, m, v) for s in range(p)]) is None
 
 
 def test_plan_batches_sends_with_next_receives():
     # stage 0 of 2, 1F1B, m = 3 (F0 F1 B0 F2 B1 B2): the steady state posts F1's send with B0's receive
-    plan = comm_plan(SCHEDULES["1f1b"](0, 2, 3), None, 1)
+    plan = comm_plan(schedule_units("1f1b", 0, 2, 3), [(None, 1)])
     ops = [op for _, op in plan]
     assert ops == SCHEDULES["1f1b"](0, 2, 3) + [None]
-    batch_before_b0 = plan[ops.index(("B", 0))][0]
+    batch_before_b0 = plan[ops.index(("B", 0, 0))][0]
     assert {(t.kind, t.micro, t.send) for t in batch_before_b0} == {("act", 1, True), ("grad", 0, False)}
+
+
+def test_chunk_peers_wrap_around():
+    # p 4, v 2: rank 0's chunk 1 (virtual stage 4) follows rank 3's chunk 0; rank 3's chunk 1 is last
+    assert chunk_peers(0, 4, 2, [10, 11, 12, 13]) == [(None, 11), (13, 11)]
+    assert chunk_peers(3, 4, 2, [10, 11, 12, 13]) == [(12, 10), (12, None)]
+    assert chunk_peers(1, 2, 1, [0, 1]) == [(0, None)]
 
 
 def _crossing_sends(rank, world, port, batched, results):

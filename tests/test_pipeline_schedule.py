@@ -10,8 +10,10 @@ import torch
 
 from moe_trainer.config import load_config
 from moe_trainer.models.registry import build_model
-from moe_trainer.parallel.pipeline import (ActivationMeter, gpipe, layer_costs, one_f_one_b, partition,
-                                           peak_in_flight, stage_layers, theoretical_bubble)
+from moe_trainer.config import ConfigError, validate_layout
+from moe_trainer.parallel.pipeline import (ActivationMeter, PipelineStage, gpipe, layer_costs, one_f_one_b, partition,
+                                           peak_in_flight, rank_chunks, schedule_units, stage_layers,
+                                           theoretical_bubble)
 from moe_trainer.pipeline_trace import executed_order, peak_in_flight_measured
 
 from conftest import ROOT, TINY, check, launch
@@ -21,17 +23,17 @@ from conftest import ROOT, TINY, check, launch
 def test_one_f_one_b_order(pp, m):
     for s in range(pp):
         ops = one_f_one_b(s, pp, m)
-        assert sorted(ops) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+        assert sorted(ops) == sorted([("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)])
         warm = min(pp - s - 1, m)
-        assert ops[:warm] == [("F", i) for i in range(warm)]
+        assert ops[:warm] == [("F", i, 0) for i in range(warm)]
         # each backward follows its own forward; backwards run oldest first
-        assert [i for k, i in ops if k == "B"] == list(range(m))
+        assert [i for k, i, _ in ops if k == "B"] == list(range(m))
         for i in range(m):
-            assert ops.index(("F", i)) < ops.index(("B", i))
+            assert ops.index(("F", i, 0)) < ops.index(("B", i, 0))
         assert peak_in_flight(ops) == min(pp - s, m)
         if m > pp - s:  # steady state alternates F, B
             steady = ops[warm:warm + 2 * (m - warm)]
-            assert [k for k, _ in steady] == ["F", "B"] * (m - warm)
+            assert [k for k, *_ in steady] == ["F", "B"] * (m - warm)
     assert peak_in_flight(gpipe(0, pp, m)) == m
     assert theoretical_bubble(pp, m) == pytest.approx((pp - 1) / (m + pp - 1))
 
@@ -50,6 +52,73 @@ def _best_worst_stage(costs, stages, first_extra=0.0, last_extra=0.0) -> float:
     n = len(costs)
     return min(_worst_stage(costs, [b - a for a, b in zip((0,) + cuts, cuts + (n,))], first_extra, last_extra)
                for cuts in itertools.combinations(range(1, n), stages - 1))
+
+
+@pytest.mark.parametrize("pp, m, v", [(2, 2, 2), (2, 4, 2), (2, 8, 4), (4, 4, 2), (4, 8, 2), (4, 16, 3), (3, 6, 2)])
+def test_interleaved_order(pp, m, v):
+    """Every (micro, chunk) forward and backward once per rank; a micro-batch goes up its chunks
+    forwards and down them backwards; the step ends with chunk 0's backward of the last micro-batch
+    (the accumulation boundary: one engine.step() per micro-batch, after chunk 0's backward); the
+    warm-up and the chunk activations held follow Megatron-Core's interleaved order."""
+    for s in range(pp):
+        ops = one_f_one_b(s, pp, m, v)
+        assert sorted(ops) == sorted((k, i, c) for k in "FB" for i in range(m) for c in range(v))
+        at = {op: n for n, op in enumerate(ops)}
+        for i in range(m):
+            for c in range(v):
+                assert at[("F", i, c)] < at[("B", i, c)]
+                if c:
+                    assert at[("F", i, c - 1)] < at[("F", i, c)] and at[("B", i, c)] < at[("B", i, c - 1)]
+        assert ops[-1] == ("B", m - 1, 0)
+        warm = v * m if m == pp else min(2 * (pp - s - 1) + (v - 1) * pp, v * m)
+        steady = warm < v * m
+        assert [k for k, *_ in ops[:warm + steady]] == ["F"] * (warm + steady) and ops[warm + steady][0] == "B"
+        assert peak_in_flight(ops) == warm + steady
+        units = schedule_units("1f1b", s, pp, m, v)
+        assert [op for u in units for op in u] == ops
+        assert all(len(u) == 1 or [k for k, *_ in u] == ["F", "B"] for u in units)
+        assert gpipe(s, pp, m, v)[:v * m] == [op for op in ops if op[0] == "F"]  # GPipe: same order, all forwards first
+    # stage 0 holds (v p + p - 1) / v micro-batches' worth of activations (chunks are 1/v of a stage)
+    if m > pp:
+        assert peak_in_flight(one_f_one_b(0, pp, m, v)) == v * pp + pp - 2 + 1
+    assert theoretical_bubble(pp, m, v) == pytest.approx((pp - 1) / (v * m + pp - 1))
+    assert theoretical_bubble(pp, m, v) < theoretical_bubble(pp, m)
+
+
+def test_interleaved_chunks_and_their_checks():
+    """Rank s holds virtual stages s, s + pp, ...; the chunks of every rank together hold the whole
+    model under its own parameter names (checkpoints load under any (pp, v)); bad input gets one
+    sentence naming the key."""
+    cfg = load_config(str(ROOT / "configs/moe_tiny.yaml"), ["model.num_hidden_layers=8", "parallel.pp=2",
+                                                            "parallel.virtual_stages=2"])
+    virtual = stage_layers(cfg, 128)
+    assert len(virtual) == 4 and sum(virtual, []) == list(range(8))
+    assert rank_chunks(virtual, 0, 2) == [virtual[0], virtual[2]]
+    for pp, v, layers in [(2, 2, 4), (2, 3, 6), (4, 2, 8)]:
+        sets = [f"model.num_hidden_layers={layers}", "model.num_nextn_predict_layers=1", f"parallel.pp={pp}",
+                f"parallel.virtual_stages={v}"] + TINY[:1]
+        cfg = load_config(str(ROOT / "configs/moe_tiny.yaml"), sets)
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+        names = []
+        for s in range(pp):
+            stage = PipelineStage(model, rank_chunks(stage_layers(cfg, 32), s, pp), s == 0, s == pp - 1)
+            assert [int(i) for c in stage.chunks for i in c] == [i for g in range(s, pp * v, pp)
+                                                                  for i in stage_layers(cfg, 32)[g]]
+            names += [n for n, _ in stage.named_parameters()]
+        assert sorted(names) == sorted(n for n, _ in model.named_parameters()), (pp, v)
+    tiny = str(ROOT / "configs/moe_tiny.yaml")
+    for sets, key in [(["parallel.pp=2", "parallel.virtual_stages=3"], "parallel.virtual_stages"),
+                      (["parallel.virtual_stages=2"], "parallel.virtual_stages"),
+                      (["parallel.pp=2", "parallel.virtual_stages=2", "parallel.pp_partition=[2, 2]"],
+                       "parallel.pp_partition")]:
+        with pytest.raises(ConfigError, match=key):
+            load_config(tiny, sets)
+    cfg = load_config(tiny, ["parallel.pp=2", "parallel.virtual_stages=2", "train.global_batch_size=6",
+                             "train.micro_batch_size=2"])
+    with pytest.raises(ConfigError, match="parallel.micro_batches .* multiple of parallel.pp"):
+        validate_layout(cfg, 2)
+    assert validate_layout(load_config(tiny, ["parallel.pp=2", "parallel.virtual_stages=2"]), 2).grad_accum % 2 == 0
 
 
 def test_partition_balances_cost_and_honours_hand_split():
@@ -93,7 +162,7 @@ def _peak_activation_bytes(order, m: int) -> int:
     meter = ActivationMeter(model)
     batches = [torch.randint(0, 320, (2, 33), generator=torch.Generator().manual_seed(i)) for i in range(m)]
     losses = {}
-    for kind, i in order:
+    for kind, i, _ in order:
         if kind == "F":
             with meter.hooks():
                 losses[i] = model(batches[i][:, :-1], batches[i][:, 1:]).loss

@@ -3,7 +3,7 @@ against one rank: the same losses and gradient norms before clipping for 5 steps
 and the same final weights."""
 import pytest
 
-from conftest import TINY, assert_same_final_weights, assert_same_steps, check, launch
+from conftest import TINY, assert_same_final_weights, assert_same_steps, check, launch, read_metrics
 
 STEPS = ["train.max_steps=5", "train.checkpoint_every=5", "train.global_batch_size=8",
          "train.micro_batch_size=2"]
@@ -32,3 +32,40 @@ def test_pipeline_matches_one_rank(tmp_path, case):
     assert_same_final_weights(ref, out)
     if "pp4" in case:  # every rank wrote its own part of the checkpoint
         assert len(list((out / "checkpoints" / "step_5").glob("part-r*.safetensors"))) == 4
+
+
+# interleaved 1F1B (parallel.virtual_stages): one micro-batch per sequence, so the micro-batches per step
+# (4 or 8) are a multiple of pp with a steady state; loss AND gradient norm per step against one rank
+ONE_PER_MICRO = ["train.max_steps=5", "train.checkpoint_every=5", "train.global_batch_size=8",
+                 "train.micro_batch_size=1", "train.eval_every=5"]
+DENSE = ["model.hidden_size=64", "model.num_hidden_layers=4", "model.num_attention_heads=4",
+         "model.num_key_value_heads=2", "model.intermediate_size=128", "train.seq_len=32", "train.warmup_steps=2",
+         "train.log_every=1", "train.resume=none", "metrics.peak_tflops=1.0"]
+INTERLEAVED = {
+    # 4 chunks of 1 layer over 2 ranks (rank 0: layers 0 and 2), EP inside each stage, MTP on the last chunk
+    "pp2_v2_ep2_mtp": (4, "configs/moe_tiny.yaml", TINY + FOUR_LAYERS + MTP,
+                       ["parallel.pp=2", "parallel.virtual_stages=2", "parallel.ep=2"]),
+    "pp4_v2": (4, "configs/moe_tiny.yaml", TINY + ["model.num_hidden_layers=8"],
+               ["parallel.pp=4", "parallel.virtual_stages=2"]),
+    "llama3_tp2_pp2_v2": (4, "configs/llama3_tiny.yaml", DENSE,
+                          ["parallel.tp=2", "parallel.pp=2", "parallel.virtual_stages=2"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INTERLEAVED))
+def test_interleaved_pipeline_matches_one_rank(tmp_path, case):
+    world, config, model, layout = INTERLEAVED[case]
+    ref, out = tmp_path / "one", tmp_path / case
+    check(launch(1, ref, model + ONE_PER_MICRO, config=config, launcher="python"))
+    check(launch(world, out, model + ONE_PER_MICRO + layout, config=config))
+    one, many = read_metrics(ref), read_metrics(out)
+    steps = {r["step"]: r for r in one if "loss" in r}
+    got = {r["step"]: r for r in many if "loss" in r}
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    for s, r in steps.items():
+        for key in ("loss", "grad_norm"):
+            assert abs(r[key] - got[s][key]) / abs(r[key]) < 1e-4, (s, key, r[key], got[s][key])
+    val_one, val_many = ({r["step"]: r["val_loss"] for r in rs if "val_loss" in r} for rs in (one, many))
+    assert list(val_one) == list(val_many) == [5]  # evaluation: the forward-only order
+    assert abs(val_one[5] - val_many[5]) / val_one[5] < 1e-4, (val_one, val_many)
+    assert_same_final_weights(ref, out)

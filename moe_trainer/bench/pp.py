@@ -47,20 +47,22 @@ BUBBLE_SET = ["train.seq_len=128", "train.micro_batch_size=2", "train.max_steps=
 # ----------------------------------------------------------------------------- bubble
 
 
-def replay_bubble(events: list[list[dict]], schedule: str = "1f1b") -> float:
+def replay_bubble(events: list[list[dict]], schedule: str = "1f1b", chunks: int = 1) -> float:
     """Bubble of the schedule replayed with each stage's measured compute-box durations.
 
     Every op starts as soon as (a) the previous op of its stage has ended and (b) its input exists:
-    F(s, i) needs F(s-1, i), B(s, i) needs B(s+1, i) (B(last, i) needs F(last, i), which the stage order
-    already gives). Sends, receives and waiting for a descheduled neighbour cost nothing, so what
-    remains is the bubble the schedule itself implies for these compute times (stage imbalance included).
-    Same formula as pipeline_trace.measured_bubble: mean over stages of 1 - busy / span."""
+    F of virtual stage g = chunk * pp + s on micro i needs F(g-1, i), B(g, i) needs B(g+1, i) (the last
+    virtual stage's B needs its own F, which the stage order already gives). Sends, receives and waiting
+    for a descheduled neighbour cost nothing, so what remains is the bubble the schedule itself implies
+    for these compute times (stage imbalance included). Same formula as pipeline_trace.measured_bubble:
+    mean over stages of 1 - busy / span."""
     from ..parallel.pipeline import SCHEDULES
     pp = len(events)
-    dur = [{("F" if e["kind"] == "forward" else "B", e["micro"]): e["end"] - e["start"]
+    dur = [{("F" if e["kind"] == "forward" else "B", e["micro"], e.get("chunk", 0)): e["end"] - e["start"]
             for e in ev if e["kind"] in ("forward", "backward")} for ev in events]
-    m = sum(1 for k in dur[0] if k[0] == "F")
-    ops = [SCHEDULES[schedule](s, pp, m) for s in range(pp)]
+    m = sum(1 for k in dur[0] if k[0] == "F") // chunks
+    ops = [SCHEDULES[schedule](s, pp, m, chunks) for s in range(pp)]
+    last = pp * chunks - 1
     end: dict = {}
     pos = [0] * pp
     clock = [0.0] * pp
@@ -70,13 +72,14 @@ def replay_bubble(events: list[list[dict]], schedule: str = "1f1b") -> float:
         progressed = False
         for s in range(pp):
             while pos[s] < len(ops[s]):
-                kind, i = ops[s][pos[s]]
-                dep = (s - 1, "F", i) if kind == "F" and s > 0 else (s + 1, "B", i) if kind == "B" and s < pp - 1 \
-                    else None
+                kind, i, c = ops[s][pos[s]]
+                g = c * pp + s
+                h = g - 1 if kind == "F" else g + 1  # the virtual stage whose op this one waits for
+                dep = (h % pp, kind, i, h // pp) if 0 <= h <= last else None
                 if dep is not None and dep not in end:
                     break
                 start = max(clock[s], end[dep] if dep else 0.0)
-                clock[s] = end[(s, kind, i)] = start + dur[s][(kind, i)]
+                clock[s] = end[(s, kind, i, c)] = start + dur[s][(kind, i, c)]
                 pos[s] += 1
                 done += 1
                 progressed = True
@@ -101,17 +104,18 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def bubble_sets(pp: int, m: int, mbs: int, schedule: str = "1f1b") -> list[str]:
+def bubble_sets(pp: int, m: int, mbs: int, schedule: str = "1f1b", v: int = 1) -> list[str]:
     sets = [s for s in BUBBLE_SET if not s.startswith("train.micro_batch_size")]
     sets += [f"train.micro_batch_size={mbs}", f"train.global_batch_size={mbs * m}", f"parallel.pp={pp}",
-             "debug.trace_pipeline=true"]
+             f"parallel.virtual_stages={v}", "debug.trace_pipeline=true"]
     if schedule != "1f1b":
         sets.append(f"parallel.schedule={schedule}")
     return sets
 
 
-def run_trainer(pp: int, m: int, mbs: int, out_dir: Path, schedule: str = "1f1b", timeout: int = 600) -> dict:
-    sets = bubble_sets(pp, m, mbs, schedule)
+def run_trainer(pp: int, m: int, mbs: int, out_dir: Path, schedule: str = "1f1b", timeout: int = 600,
+                v: int = 1, extra: tuple = ()) -> dict:
+    sets = bubble_sets(pp, m, mbs, schedule, v) + list(extra)
     args = [f"--config={CONFIG}"] + [a for s in sets + [f"run.out_dir={out_dir}"] for a in ("--set", s)]
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(pp), "--master_port", str(_port()),
            "--module", "moe_trainer.train", *args]
@@ -120,7 +124,7 @@ def run_trainer(pp: int, m: int, mbs: int, out_dir: Path, schedule: str = "1f1b"
     wall = time.perf_counter() - t0
     trace_path = out_dir / "pipeline_trace.json"
     if proc.returncode != 0 or not trace_path.exists():
-        raise RuntimeError(f"pp={pp} m={m} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
+        raise RuntimeError(f"pp={pp} v={v} m={m} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
                            f"{proc.stderr[-3000:]}")
     trace = json.loads(trace_path.read_text())
     metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line]
@@ -210,6 +214,91 @@ class StorageMeter:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, ActivationMeter.unpack)
 
 
+# ----------------------------------------------------------------------------- interleaved (virtual stages)
+
+INTERLEAVED_LAYERS = 8  # moe_tiny deepened so that pp 4 x v 2 and pp 2 x v 4 have a layer per chunk
+
+
+def chunk_peaks(pp: int, v: int, m: int, mbs: int, seq: int) -> list[int]:
+    """Peak saved-activation bytes of every rank running the (interleaved when v > 1) 1F1B order of its
+    v chunks for m micro-batches, one process; a chunk's inputs come from the virtual stages before it,
+    run without grad (what the rank would receive)."""
+    from .models.registry import build_model
+    from .parallel.pipeline import SCHEDULES, PipelineStage, rank_chunks, stage_layers
+    cfg = _memory_cfg(pp, seq, [f"model.num_hidden_layers={INTERLEAVED_LAYERS}", f"parallel.virtual_stages={v}"])
+    model = build_model(cfg.model, cfg.run.seed)
+    virtual = stage_layers(cfg, seq)
+    ranks = [PipelineStage(model, rank_chunks(virtual, s, pp), s == 0, s == pp - 1) for s in range(pp)]
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, cfg.model.vocab_size, (mbs, seq + 1), generator=g) for _ in range(m)]
+    inputs = {}  # (virtual stage, micro) -> its input
+    with torch.no_grad():
+        for i, b in enumerate(batches):
+            carried = None
+            for h in range(pp * v - 1):
+                inputs[(h + 1, i)] = carried = ranks[h % pp](carried, b[:, :-1], chunk=h // pp)[0]
+    peaks = []
+    for s, stage in enumerate(ranks):
+        meter = StorageMeter(stage)
+        saved = {}
+        for kind, i, c in SCHEDULES["1f1b"](s, pp, m, v):
+            x, y = batches[i][:, :-1], batches[i][:, 1:]
+            last = stage.is_last(c)
+            if kind == "F":
+                x_in = inputs.get((c * pp + s, i))
+                carried = x_in.clone().requires_grad_() if x_in is not None else None
+                with meter.hooks():
+                    res, aux = stage(carried, x, y if last else None, chunk=c)
+                saved[(i, c)] = res.loss if last else (res, aux)
+            else:
+                held = saved.pop((i, c))
+                if last:
+                    held.backward()
+                else:
+                    res, aux = held
+                    ((res * torch.ones_like(res)).sum() + (aux if aux is not None else 0.0)).backward()
+        stage.zero_grad(set_to_none=True)
+        peaks.append(meter.inner.peak)
+    return peaks
+
+
+def bench_interleaved(pps: list[int], vs: list[int], ms: list[int], mbs: int, seq: int, tmp: Path) -> list[dict]:
+    """The trainer with parallel.virtual_stages=v: measured bubble (trace), the compute-only replay and
+    (p-1)/(v m+p-1); and every rank's peak saved-activation bytes under that order (one process)."""
+    from .parallel.pipeline import one_f_one_b
+    from .pipeline_trace import executed_order
+    rows = []
+    for pp in pps:
+        for v in vs:
+            if pp * v > INTERLEAVED_LAYERS:
+                continue
+            for m in ms:
+                if m % pp:
+                    continue
+                r = run_trainer(pp, m, mbs, tmp / f"pp{pp}_v{v}_m{m}", v=v,
+                                extra=(f"model.num_hidden_layers={INTERLEAVED_LAYERS}",))
+                tr, ev = r["trace"], r["trace"]["events"]
+                peaks = chunk_peaks(pp, v, m, mbs, seq)
+                row = {"pp": pp, "v": v, "m": m, "theoretical": tr["theoretical_bubble"],
+                       "measured": tr["measured_bubble"], "compute_only": replay_bubble(ev, chunks=v),
+                       "step_time_s": r["step_time_s"], "peak_in_flight": tr["peak_in_flight"],
+                       "peak_act_mib": [x / 2 ** 20 for x in peaks],
+                       "order_ok": all(executed_order(s) == one_f_one_b(i, pp, m, v) for i, s in enumerate(ev))}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def interleaved_table(rows: list[dict]) -> str:
+    out = ["| pp | v | m | (p-1)/(v m+p-1) | measured | compute-only replay | step s | "
+           "chunk activations in flight per rank | peak saved MiB per rank |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['pp']} | {r['v']} | {r['m']} | {100 * r['theoretical']:.1f}% | {100 * r['measured']:.1f}% | "
+                   f"{100 * r['compute_only']:.1f}% | {r['step_time_s']:.2f} | {r['peak_in_flight']} | "
+                   f"{', '.join(f'{x:.1f}' for x in r['peak_act_mib'])} |")
+    return "\n".join(out)
+
+
 def _memory_cfg(pp: int, seq: int, extra: list[str] = ()):
     from ..config import load_config
     return load_config(str(ROOT / CONFIG), [f"parallel.pp={pp}", f"train.seq_len={seq}", *extra])
@@ -223,7 +312,7 @@ def stage_peaks(pp: int, m: int, mbs: int, seq: int, schedule: str) -> list[dict
     cfg = _memory_cfg(pp, seq)
     model = build_model(cfg.model, cfg.run.seed)
     layers = stage_layers(cfg, seq)
-    stages = [PipelineStage(model, layers[s], s == 0, s == pp - 1) for s in range(pp)]
+    stages = [PipelineStage(model, [layers[s]], s == 0, s == pp - 1) for s in range(pp)]
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, cfg.model.vocab_size, (mbs, seq + 1), generator=g) for _ in range(m)]
     out = []
@@ -237,7 +326,7 @@ def stage_peaks(pp: int, m: int, mbs: int, seq: int, schedule: str) -> list[dict
                 inputs.append(carried)
         meter = StorageMeter(stage)
         saved = {}
-        for kind, i in SCHEDULES[schedule](s, pp, m):
+        for kind, i, _ in SCHEDULES[schedule](s, pp, m):
             x, y = batches[i][:, :-1], batches[i][:, 1:]
             if kind == "F":
                 carried = inputs[i].clone().requires_grad_() if inputs[i] is not None else None
@@ -419,6 +508,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="bubble,memory,recompute")
     ap.add_argument("--pps", default="2,4")
+    ap.add_argument("--vs", default="1,2,4", help="virtual stages of the interleaved part")
     ap.add_argument("--ms", default="1,4,8,16")
     ap.add_argument("--mbs", type=int, default=4, help="micro-batch of the trainer runs (bubble part)")
     ap.add_argument("--mem-pp", type=int, default=4)
@@ -457,6 +547,13 @@ def main(argv=None) -> int:
                 print(f"trainer with parallel.schedule=gpipe, pp {g['pp']} m {g['m']}: executed "
                       f"{'GPipe' if g['executed_gpipe'] else '1F1B' if g['executed_1f1b'] else 'another'} order, "
                       f"peak in flight per stage {g['peak_in_flight']}\n", flush=True)
+        if "interleaved" in parts:
+            t0 = time.perf_counter()
+            rows = bench_interleaved([int(x) for x in a.pps.split(",")], [int(x) for x in a.vs.split(",")],
+                                     [int(x) for x in a.ms.split(",")], a.mbs, a.mem_seq, tmp)
+            result["interleaved"] = rows
+            print(f"\n## Interleaved 1F1B, {INTERLEAVED_LAYERS} layers ({time.perf_counter() - t0:.0f} s)\n\n"
+                  f"{interleaved_table(rows)}\n", flush=True)
         if "recompute" in parts:
             t0 = time.perf_counter()
             rows, budget = bench_recompute(a.budget_mbs, a.seq, a.steps, a.max_mbs)

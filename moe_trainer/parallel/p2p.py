@@ -9,10 +9,13 @@ for activation i+1; each send waits for a receive its peer will only post after 
 So transfers are posted in batches (`torch.distributed.batch_isend_irecv`, one NCCL group call):
 the sends an operation produced go out together with the receives the next operation needs, as
 Megatron-Core's send_forward_recv_backward / send_backward_recv_forward do. `comm_plan` turns any
-schedule (a list of ("F" | "B", micro-batch) operations) into that sequence of batches; the
-rendezvous simulation in tests/test_p2p.py checks every schedule for p <= 8, m <= 16 under the
-rule above, and the pipeline parity tests run their ranks with torch.distributed's point-to-point
-calls wrapped so that each send completes only after the peer posted its receive.
+schedule (("F" | "B", micro-batch, chunk) operations, grouped into units) into that sequence of
+batches. With v chunks per rank (interleaved 1F1B) a chunk's neighbours depend on the chunk: the
+last rank's chunk c feeds rank 0's chunk c + 1 (`chunk_peers`). The rendezvous simulation in
+tests/test_p2p.py checks every schedule for p <= 8, m <= 16 (and v in 2, 3, 4 with m a multiple
+of p) under the rule above, each message landing in the buffer posted for it; the pipeline parity
+tests run their ranks with torch.distributed's point-to-point calls wrapped so that each send
+completes only after the peer posted its receive.
 
 Collectives that span stages (the optimizer step's gradient-norm all-reduce over the model-parallel
 group) are not transfers: the executor runs them only after the step's final sends are posted,
@@ -27,49 +30,80 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-Op = tuple[str, int]  # ("F" | "B", micro-batch index)
+Op = tuple[str, int, int]  # ("F" | "B", micro-batch index, chunk index on this rank)
+Peers = list[tuple[Optional[int], Optional[int]]]  # per chunk: (previous, next) global rank or None
 
 
 @dataclass(frozen=True)
 class Transfer:
-    """One tensor between neighbouring stages: "act" (forward activations) or "grad" (their gradient)."""
+    """One tensor between neighbouring (virtual) stages: "act" (forward activations) or "grad" (their
+    gradient), of one micro-batch, for or from this rank's chunk `chunk`."""
 
     kind: str
     micro: int
     peer: int  # global rank of the other stage
     send: bool
+    chunk: int = 0
+
+    @property
+    def key(self) -> tuple:
+        return self.kind, self.micro, self.chunk
 
 
-def needs(op: Op, prev: Optional[int], next_: Optional[int]) -> list[Transfer]:
+def chunk_peers(stage: int, stages: int, chunks: int, ranks: list[int]) -> Peers:
+    """(previous, next) global rank of each chunk of pipeline rank `stage`. Chunk c is virtual stage
+    g = c * stages + stage; its neighbours are virtual stages g - 1 and g + 1, on ranks (g -+ 1) mod
+    stages: with chunks > 1, rank 0's chunk c > 0 follows the last rank's chunk c - 1 (the wrap-around)."""
+    last = stages * chunks - 1
+    out = []
+    for c in range(chunks):
+        g = c * stages + stage
+        out.append((ranks[(g - 1) % stages] if g > 0 else None, ranks[(g + 1) % stages] if g < last else None))
+    return out
+
+
+def needs(op: Op, peers: Peers) -> list[Transfer]:
     """What `op` must receive before it runs: a forward its activations from the previous stage,
     a backward its output gradient from the next stage."""
-    kind, i = op
+    kind, i, c = op
+    prev, next_ = peers[c]
     if kind == "F" and prev is not None:
-        return [Transfer("act", i, prev, send=False)]
+        return [Transfer("act", i, prev, send=False, chunk=c)]
     if kind == "B" and next_ is not None:
-        return [Transfer("grad", i, next_, send=False)]
+        return [Transfer("grad", i, next_, send=False, chunk=c)]
     return []
 
 
-def produces(op: Op, prev: Optional[int], next_: Optional[int]) -> list[Transfer]:
+def produces(op: Op, peers: Peers) -> list[Transfer]:
     """What `op` sends when it is done: a forward its activations to the next stage, a backward
     the gradient of its input to the previous stage."""
-    kind, i = op
+    kind, i, c = op
+    prev, next_ = peers[c]
     if kind == "F" and next_ is not None:
-        return [Transfer("act", i, next_, send=True)]
+        return [Transfer("act", i, next_, send=True, chunk=c)]
     if kind == "B" and prev is not None:
-        return [Transfer("grad", i, prev, send=True)]
+        return [Transfer("grad", i, prev, send=True, chunk=c)]
     return []
 
 
-def comm_plan(ops: list[Op], prev: Optional[int], next_: Optional[int]) -> list[tuple[list[Transfer], Optional[Op]]]:
-    """[(batch, op)]: post `batch` (one batch_isend_irecv, waited), then run `op`. A batch holds the
-    sends of the previous operation and the receives of this one; the last entry's op is None
-    (the final sends). A batch may be empty: PeerExchange.run then does nothing."""
+def comm_plan(units: list[list[Op]], peers: Peers) -> list[tuple[list[Transfer], Optional[Op]]]:
+    """[(batch, op)]: post `batch` (one batch_isend_irecv, waited), then run `op`. `units`: the
+    schedule's operations in order, grouped (pipeline.schedule_units); a batch holds the sends of
+    the previous unit and the receives of this one, so a unit's operations after its first get
+    an empty batch. The last entry's op is None (the final sends). `peers`: one (previous, next)
+    per chunk (`chunk_peers`).
+
+    Units are single operations except in the interleaved schedule's steady state, where a forward
+    and the backward after it are one unit: both receives before the pair, both sends after it, as
+    Megatron-Core's send_forward_backward_recv_forward_backward. One operation at a time, that
+    order deadlocks: rank 0's forward of chunk 0 posts alone the gradient its backward of chunk 1
+    just produced, while the last rank first waits to send a gradient that rank 0 will only
+    receive after that forward."""
     plan, pending = [], []
-    for op in ops:
-        plan.append((pending + needs(op, prev, next_), op))
-        pending = produces(op, prev, next_)
+    for unit in units:
+        plan.append((pending + [t for op in unit for t in needs(op, peers)], unit[0]))
+        plan += [([], op) for op in unit[1:]]
+        pending = [t for op in unit for t in produces(op, peers)]
     plan.append((pending, None))
     return plan
 
@@ -85,19 +119,19 @@ class PeerExchange:
         self.record = record  # trace hook: (kind, micro, t0, t1) per transfer
 
     def run(self, batch: list[Transfer], outgoing: dict) -> dict:
-        """Sends outgoing[(kind, micro)] for each send of the batch; returns {(kind, micro): tensor}
-        of its receives."""
+        """Sends outgoing[transfer.key] for each send of the batch; returns {transfer.key: tensor}
+        of its receives (keys: (kind, micro, chunk), the chunk being this rank's)."""
         if not batch:
             return {}
         t0 = time.perf_counter()
         p2p, received = [], {}
         for tr in batch:
             if tr.send:
-                t = outgoing.pop((tr.kind, tr.micro)).contiguous()
+                t = outgoing.pop(tr.key).contiguous()
                 p2p.append(dist.P2POp(dist.isend, t, tr.peer))
             else:
                 t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                received[(tr.kind, tr.micro)] = t
+                received[tr.key] = t
                 p2p.append(dist.P2POp(dist.irecv, t, tr.peer))
         for work in dist.batch_isend_irecv(p2p):
             work.wait()
@@ -106,7 +140,7 @@ class PeerExchange:
         for tr in batch:
             direction = "send" if tr.send else "recv"
             if self.record is not None:
-                self.record(f"{direction}_{'fwd' if tr.kind == 'act' else 'bwd'}", tr.micro, t0, t1)
+                self.record(f"{direction}_{'fwd' if tr.kind == 'act' else 'bwd'}", tr.micro, t0, t1, tr.chunk)
             if self.counter is not None:
                 self.counter.add(f"pp_{direction}", nbytes if tr.send else 0, 0 if tr.send else nbytes)
                 self.counter.add_time(f"pp_{direction}", t1 - t0)

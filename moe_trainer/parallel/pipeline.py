@@ -7,7 +7,10 @@ born on every stage, multi-token prediction on the last stage needs the
 token embeddings of the first, and the balancing bias is updated after the
 step. The executor keeps DeepSpeed's engine for ZeRO-1: every backward goes
 through `engine.backward`, every micro-batch ends with `engine.step()`, so the
-optimizer steps at the accumulation boundary exactly as without a pipeline.
+optimizer steps at the accumulation boundary exactly as without a pipeline. With
+v chunks per rank (interleaved 1F1B, `parallel.virtual_stages`) a micro-batch has
+v backwards on a rank: the boundary is named explicitly (the step's last
+backward), and step() follows each micro-batch's chunk-0 backward.
 
 Stages exchange one tensor per micro-batch: the hidden states, with the token
 embeddings concatenated along the last dimension when MTP is on (the last
@@ -27,7 +30,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..models.lm import LMOutput, add_aux
-from .p2p import PeerExchange, comm_plan
+from .p2p import PeerExchange, chunk_peers, comm_plan
 
 # ----------------------------------------------------------------------------- partition (pure)
 
@@ -80,14 +83,16 @@ def partition(costs: list[float], stages: int, first_extra: float = 0.0, last_ex
 
 
 def stage_layers(cfg, seq_len: int) -> list[list[int]]:
-    """Global layer ids of every stage: `parallel.pp_partition` if set, else cost-balanced."""
-    m, pp = cfg.model, cfg.parallel.pp
-    sizes = cfg.parallel.pp_partition
+    """Global layer ids of every virtual stage (pp * virtual_stages of them, in model order):
+    `parallel.pp_partition` if set, else cost-balanced over all of them. Rank s runs virtual
+    stages s, s + pp, s + 2 pp, ... (`rank_chunks`)."""
+    m, p = cfg.model, cfg.parallel
+    sizes = p.pp_partition
     if sizes is None:
         costs = layer_costs(m, seq_len)
         head = 2.0 * m.hidden_size * m.vocab_size * (1 + m.num_nextn_predict_layers)
         mtp = m.num_nextn_predict_layers * (max(costs) + 4.0 * m.hidden_size ** 2) if m.arch == "deepseek_v3" else 0
-        sizes = partition(costs, pp, first_extra=0.0, last_extra=head + mtp)
+        sizes = partition(costs, p.pp * p.virtual_stages, first_extra=0.0, last_extra=head + mtp)
     out, start = [], 0
     for n in sizes:
         out.append(list(range(start, start + n)))
@@ -95,13 +100,19 @@ def stage_layers(cfg, seq_len: int) -> list[list[int]]:
     return out
 
 
+def rank_chunks(virtual: list, stage: int, stages: int) -> list:
+    """The chunks of pipeline rank `stage`: virtual stages stage, stage + stages, ... (Megatron's
+    interleaved assignment: consecutive chunks of one rank are `stages` virtual stages apart)."""
+    return virtual[stage::stages]
+
+
 # ----------------------------------------------------------------------------- schedules (pure)
 
-Op = tuple[str, int]  # ("F" | "B", micro-batch index)
+Op = tuple[str, int, int]  # ("F" | "B", micro-batch index, chunk index on this rank)
 
 
-def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[Op]:
-    """PipeDream-flush 1F1B order of one stage.
+def one_f_one_b(stage: int, stages: int, micro_batches: int, chunks: int = 1) -> list[Op]:
+    """PipeDream-flush 1F1B order of one stage (interleaved when chunks > 1).
 
     warm-up:   stages - stage - 1 forwards (at most m), filling the pipe;
     steady:    one forward then one backward, m - warm-up times;
@@ -109,51 +120,115 @@ def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[Op]:
     The oldest micro-batch is freed first, so stage s never holds more than
     min(stages - s, m) micro-batches' activations.
     """
+    if chunks > 1:
+        return interleaved_one_f_one_b(stage, stages, micro_batches, chunks)
     warmup = min(stages - stage - 1, micro_batches)
-    ops: list[Op] = [("F", i) for i in range(warmup)]
+    ops: list[Op] = [("F", i, 0) for i in range(warmup)]
     f, b = warmup, 0
     while f < micro_batches:
-        ops += [("F", f), ("B", b)]
+        ops += [("F", f, 0), ("B", b, 0)]
         f, b = f + 1, b + 1
-    ops += [("B", i) for i in range(b, micro_batches)]
+    ops += [("B", i, 0) for i in range(b, micro_batches)]
     return ops
 
 
-def gpipe(stage: int, stages: int, micro_batches: int) -> list[Op]:
-    """All forwards, then all backwards (the reference order: m micro-batches in flight)."""
-    return [("F", i) for i in range(micro_batches)] + [("B", i) for i in range(micro_batches)]
+def virtual_op(kind: str, k: int, stages: int, chunks: int) -> Op:
+    """The k-th forward (or backward) of a rank under the interleaved order (Megatron-Core's
+    mapping): micro-batches go through in groups of `stages`; a group passes chunk 0, 1, ...,
+    v-1 forwards and v-1, ..., 0 backwards before the next group.  (m must be a multiple of p.)"""
+    group, within = divmod(k, stages * chunks)
+    chunk = within // stages
+    micro = group * stages + within % stages
+    return kind, micro, (chunk if kind == "F" else chunks - 1 - chunk)
+
+
+def interleaved_warmup(stage: int, stages: int, micro_batches: int, chunks: int) -> int:
+    """Forwards before the first backward. With m == p every forward (as Megatron-Core: a steady
+    state there would need the pair's receives before sends its neighbours wait on)."""
+    total = micro_batches * chunks
+    if micro_batches == stages:
+        return total
+    return min(2 * (stages - stage - 1) + (chunks - 1) * stages, total)
+
+
+def interleaved_one_f_one_b(stage: int, stages: int, micro_batches: int, chunks: int) -> list[Op]:
+    """Interleaved 1F1B (Narayanan et al. 2021; Megatron-Core) of one rank holding `chunks` chunks.
+
+    warm-up:   2 (stages - stage - 1) + (chunks - 1) stages forwards (at most v m): the pipe filled
+               once per chunk, plus what the ranks below need to start their steady state;
+    steady:    one forward then one backward of the chunks, in the order virtual_op gives;
+    cool-down: the remaining backwards.
+    Each chunk's forward is 1/v of a stage's, so the bubble shrinks to (p-1)/(v m + p-1); a rank
+    holds up to warm-up + 1 chunk activations (stage 0: (v p + p - 1) / v micro-batches' worth)."""
+    total = micro_batches * chunks
+    warmup = interleaved_warmup(stage, stages, micro_batches, chunks)
+    ops = [virtual_op("F", k, stages, chunks) for k in range(warmup)]
+    for k in range(total - warmup):
+        ops += [virtual_op("F", warmup + k, stages, chunks), virtual_op("B", k, stages, chunks)]
+    ops += [virtual_op("B", k, stages, chunks) for k in range(total - warmup, total)]
+    return ops
+
+
+def gpipe(stage: int, stages: int, micro_batches: int, chunks: int = 1) -> list[Op]:
+    """All forwards, then all backwards (the reference order: m micro-batches in flight), the
+    chunks in the interleaved order's sequence."""
+    total = micro_batches * chunks
+    return forward_only(stage, stages, micro_batches, chunks) + \
+        [virtual_op("B", k, stages, chunks) for k in range(total)]
+
+
+def forward_only(stage: int, stages: int, micro_batches: int, chunks: int = 1) -> list[Op]:
+    """Evaluation: every forward, in the interleaved order's sequence (plain order when chunks == 1)."""
+    return [virtual_op("F", k, stages, chunks) for k in range(micro_batches * chunks)]
 
 
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
 
+def schedule_units(schedule: str, stage: int, stages: int, micro_batches: int, chunks: int = 1) -> list[list[Op]]:
+    """The schedule's operations grouped for p2p.comm_plan: one operation per unit, except the
+    interleaved 1F1B's steady state, whose forward-backward pairs are one unit each."""
+    ops = SCHEDULES[schedule](stage, stages, micro_batches, chunks)
+    if schedule != "1f1b" or chunks == 1:
+        return [[op] for op in ops]
+    warmup = interleaved_warmup(stage, stages, micro_batches, chunks)
+    end = len(ops) - warmup  # the cool-down: as many backwards as warm-up forwards
+    return [[op] for op in ops[:warmup]] + [ops[n:n + 2] for n in range(warmup, end, 2)] + \
+        [[op] for op in ops[end:]]
+
+
 def peak_in_flight(ops: list[Op]) -> int:
+    """Most chunk activations alive at once (forwards whose backward has not run)."""
     live = peak = 0
-    for kind, _ in ops:
+    for kind, *_ in ops:
         live += 1 if kind == "F" else -1
         peak = max(peak, live)
     return peak
 
 
-def theoretical_bubble(stages: int, micro_batches: int) -> float:
-    return (stages - 1) / (micro_batches + stages - 1)
+def theoretical_bubble(stages: int, micro_batches: int, chunks: int = 1) -> float:
+    """(p-1)/(v m + p-1): the fill and drain of the pipe, each chunk 1/v of a stage's work."""
+    return (stages - 1) / (chunks * micro_batches + stages - 1)
 
 
 # ----------------------------------------------------------------------------- the stage module
 
 class PipelineStage(nn.Module):
-    """The part of a CausalLM one stage runs. It adopts the model's own
-    submodules under the same attribute names, so parameter names (and
-    checkpoints) stay layout-independent: `layers.7.mlp...` on whichever stage."""
+    """The part of a CausalLM one pipeline rank runs: one chunk of consecutive layers, or several
+    (interleaved schedule: chunk c holds virtual stage rank + c * pp). It adopts the model's own
+    submodules under the same attribute names, so parameter names (and checkpoints) stay
+    layout-independent: `layers.7.mlp...` on whichever rank and chunk; DeepSpeed sees one module
+    per rank (ZeRO-1 over every chunk's parameters)."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool):
+    def __init__(self, model: nn.Module, chunks: list[list[int]], first: bool, last: bool):
         super().__init__()
         self.cfg = model.cfg
-        self.first, self.last = first, last
+        self.first, self.last = first, last  # holds the model's first chunk (embedding) / last (head)
+        self.chunks = [[str(i) for i in ids] for ids in chunks]
         self.carry_emb = getattr(model, "mtp", None) is not None and len(model.mtp) > 0
         if first:
             self.embed_tokens = model.embed_tokens
-        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
+        self.layers = nn.ModuleDict({i: model.layers[i] for ids in self.chunks for i in ids})
         if last:
             self.norm, self.lm_head = model.norm, model.lm_head
             if self.carry_emb:
@@ -164,22 +239,28 @@ class PipelineStage(nn.Module):
             self.deepspeed_moe_marker = marker  # only stages that hold experts are MoE to DeepSpeed
         self._model = (model,)  # the full model's methods (rope, loss), not registered as a submodule
 
+    def is_first(self, chunk: int) -> bool:
+        return self.first and chunk == 0
+
+    def is_last(self, chunk: int) -> bool:
+        return self.last and chunk == len(self.chunks) - 1
+
     def forward(self, carried: Optional[torch.Tensor], input_ids: torch.Tensor,
-                labels: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None):
-        """First stage: input_ids -> carried. Others: carried (B, T, d or 2d) ->
-        carried, or the LMOutput on the last stage. Returns (out, aux)."""
+                labels: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None, chunk: int = 0):
+        """The model's first chunk: input_ids -> carried. Others: carried (B, T, d or 2d) ->
+        carried, or the LMOutput on the model's last chunk. Returns (out, aux)."""
         model = self._model[0]
         d = self.cfg.hidden_size
-        if self.first:
+        if self.is_first(chunk):
             h = emb = self.embed_tokens(input_ids)
         else:
             h, emb = (carried[..., :d], carried[..., d:]) if self.carry_emb else (carried, None)
         cos, sin = model.rope(input_ids.shape[1], h.device, h.dtype, positions)
         aux = None
-        for layer in self.layers.values():
-            h, layer_aux = layer(h, cos, sin)
+        for i in self.chunks[chunk]:
+            h, layer_aux = self.layers[i](h, cos, sin)
             aux = add_aux(aux, layer_aux)
-        if not self.last:
+        if not self.is_last(chunk):
             return (torch.cat([h, emb], dim=-1) if self.carry_emb else h), aux
         logits = self.lm_head(self.norm(h))
         if labels is None:
@@ -191,8 +272,8 @@ def build_stage(model: nn.Module, cfg, stage: int, seq_len: int) -> PipelineStag
     if cfg.model.tie_word_embeddings:
         raise ConfigError("model.tie_word_embeddings cannot be used with parallel.pp > 1 (the embedding and the "
                           "head live on different stages); set it to false.")
-    layers = stage_layers(cfg, seq_len)
-    return PipelineStage(model, layers[stage], stage == 0, stage == cfg.parallel.pp - 1)
+    chunks = rank_chunks(stage_layers(cfg, seq_len), stage, cfg.parallel.pp)
+    return PipelineStage(model, chunks, stage == 0, stage == cfg.parallel.pp - 1)
 
 
 # ----------------------------------------------------------------------------- tracing and activation memory
@@ -208,9 +289,10 @@ class Trace:
     def start(self) -> None:
         self.origin = time.perf_counter()
 
-    def record(self, kind: str, micro: int, t0: float, t1: float) -> None:
+    def record(self, kind: str, micro: int, t0: float, t1: float, chunk: int = 0) -> None:
         if self.enabled:
-            self.events.append({"kind": kind, "micro": micro, "start": t0 - self.origin, "end": t1 - self.origin})
+            self.events.append({"kind": kind, "micro": micro, "chunk": chunk, "start": t0 - self.origin,
+                                "end": t1 - self.origin})
 
 
 class ActivationMeter:
@@ -261,29 +343,32 @@ class StepResult:
 
 
 class PipelineExecutor:
-    """Runs one optimizer step of one stage: the schedule's forwards and backwards, and the
-    point-to-point transfers with its neighbours, batched as p2p.comm_plan says (NCCL-safe)."""
+    """Runs one optimizer step of one pipeline rank: the schedule's forwards and backwards of its
+    chunks, and the point-to-point transfers with the ranks before and after each chunk, batched
+    as p2p.comm_plan says (NCCL-safe)."""
 
     def __init__(self, engine, stage: PipelineStage, mesh, micro_batches: int, carried_shape: tuple,
                  dtype: torch.dtype, device: torch.device, schedule: str = "1f1b", trace: Optional[Trace] = None,
                  meter: Optional[ActivationMeter] = None, counter=None):
         self.engine, self.stage, self.mesh = engine, stage, mesh
         self.m = micro_batches
+        self.v = len(stage.chunks)
         pp, s = mesh.layout.pp, mesh.coord["pp"]
-        self.ops = SCHEDULES[schedule](s, pp, micro_batches)
-        ranks = mesh.members["pp"]
-        self.prev = ranks[s - 1] if s > 0 else None
-        self.next = ranks[s + 1] if s < pp - 1 else None
+        self.pp, self.s = pp, s
+        self.units = schedule_units(schedule, s, pp, micro_batches, self.v)
+        self.ops = [op for unit in self.units for op in unit]
+        self.boundary = [op for op in self.ops if op[0] == "B"][-1]  # DeepSpeed's accumulation boundary
+        self.peers = chunk_peers(s, pp, self.v, mesh.members["pp"])
         self.trace = trace or Trace()
         self.meter = meter
         self.exchange = PeerExchange(carried_shape, dtype, device, counter, self.trace.record)
         self.poison = False  # fault drill: make this step's loss NaN on the last stage
 
-    def _run(self, ops: list, run_op: Callable, res: Optional[StepResult] = None) -> None:
-        """ops in order, each after its batch of transfers; run_op(op, received) -> {(kind, micro): tensor}
-        to send."""
+    def _run(self, units: list, run_op: Callable, res: Optional[StepResult] = None) -> None:
+        """The units' operations in order, each after its batch of transfers; run_op(op, received) ->
+        {(kind, micro, chunk): tensor} to send."""
         received, outgoing = {}, {}
-        for batch, op in comm_plan(ops, self.prev, self.next):
+        for batch, op in comm_plan(units, self.peers):
             t = time.perf_counter()
             received.update(self.exchange.run(batch, outgoing))
             if res is not None and any(not tr.send for tr in batch):
@@ -294,47 +379,54 @@ class PipelineExecutor:
     def step(self, get_batch: Callable[[int], tuple]) -> StepResult:
         """get_batch(i) -> (input_ids, labels, positions) of micro-batch i."""
         res = StepResult(losses={})
-        saved: dict[int, tuple] = {}
+        saved: dict[tuple, tuple] = {}
 
         def run_op(op, received):
-            kind, i = op
+            kind, i, c = op
             if kind == "F":
-                return self._forward(i, get_batch, received.pop(("act", i), None), saved, res)
-            return self._backward(i, received.pop(("grad", i), None), saved, res)
+                return self._forward(i, c, get_batch, received.pop(("act", i, c), None), saved, res)
+            # DeepSpeed reduces the gradients in the backward it deems the accumulation boundary; with
+            # v chunks a micro-batch has v backwards here, so name it: this step's last backward
+            boundary = op == self.boundary
+            self.engine.set_gradient_accumulation_boundary(boundary)
+            out = self._backward(i, c, received.pop(("grad", i, c), None), saved, res)
+            if c == 0 and not boundary:  # a micro-batch's last backward on this rank: one step() each
+                self.engine.step()
+            return out
 
-        self._run(self.ops, run_op, res)
-        # the accumulation boundary: the optimizer step all-reduces the gradient norm over every
-        # stage, so it comes after the step's last transfers were posted (a collective between
-        # the last backward and its send would wait for a stage that waits for that send)
+        self._run(self.units, run_op, res)
+        # the optimizer step (at the boundary) only after the final sends: its gradient norm is a
+        # collective over every stage, and the stage before still waits for this one's last gradient
         self.engine.step()
         return res
 
-    def _forward(self, i, get_batch, carried, saved, res) -> dict:
+    def _forward(self, i, c, get_batch, carried, saved, res) -> dict:
         inputs, labels, positions = get_batch(i)
+        last = self.stage.is_last(c)
         if carried is not None:
             carried.requires_grad_()
         t0 = time.perf_counter()
         ctx = self.meter.hooks() if self.meter else contextlib.nullcontext()
         with ctx:
-            out, aux = self.engine(carried, inputs, labels if self.stage.last else None, positions)
+            out, aux = self.engine(carried, inputs, labels if last else None, positions, chunk=c)
         t1 = time.perf_counter()
-        self.trace.record("forward", i, t0, t1)
+        self.trace.record("forward", i, t0, t1, c)
         res.forward_s += t1 - t0
-        if self.stage.last:
+        if last:
             loss = out.loss * float("nan") if self.poison else out.loss
             for k, v in out.losses.items():
                 res.losses[k] = res.losses.get(k, 0.0) + (v.float() * float("nan") if self.poison else v.float())
-            saved[i] = (carried, loss, None)
+            saved[(i, c)] = (carried, loss, None)
             return {}
         if aux is not None:
             res.losses["aux"] = res.losses.get("aux", 0.0) + aux.detach().float()
-        saved[i] = (carried, out, aux)
-        return {("act", i): out.detach()}
+        saved[(i, c)] = (carried, out, aux)
+        return {("act", i, c): out.detach()}
 
-    def _backward(self, i, grad, saved, res) -> dict:
-        carried, out, aux = saved.pop(i)
+    def _backward(self, i, c, grad, saved, res) -> dict:
+        carried, out, aux = saved.pop((i, c))
         t0 = time.perf_counter()
-        if self.stage.last:
+        if self.stage.is_last(c):
             self.engine.backward(out)
         else:
             # d(surrogate)/d(out) = grad, which already carries the 1/GAS of the
@@ -344,11 +436,9 @@ class PipelineExecutor:
                 surrogate = surrogate + aux / self.m
             self.engine.backward(surrogate, scale_wrt_gas=False)
         t1 = time.perf_counter()
-        self.trace.record("backward", i, t0, t1)
+        self.trace.record("backward", i, t0, t1, c)
         res.backward_s += t1 - t0
-        if self.ops[-1] != ("B", i):  # DeepSpeed counts micro-batches; step() ends the last one
-            self.engine.step()
-        return {("grad", i): carried.grad} if self.prev is not None else {}
+        return {} if self.stage.is_first(c) else {("grad", i, c): carried.grad}
 
     @torch.no_grad()
     def forward_only(self, get_batch) -> dict:
@@ -357,13 +447,14 @@ class PipelineExecutor:
         module = self.engine.module
 
         def run_op(op, received):
-            i = op[1]
+            _, i, c = op
             inputs, labels, positions = get_batch(i)
-            out, _ = module(received.pop(("act", i), None), inputs, labels if self.stage.last else None, positions)
-            if self.stage.last:
+            last = self.stage.is_last(c)
+            out, _ = module(received.pop(("act", i, c), None), inputs, labels if last else None, positions, chunk=c)
+            if last:
                 losses["lm"] = losses.get("lm", 0.0) + out.losses["lm"].float()
                 return {}
-            return {("act", i): out}
+            return {("act", i, c): out}
 
-        self._run([("F", i) for i in range(self.m)], run_op)
+        self._run([[op] for op in forward_only(self.s, self.pp, self.m, self.v)], run_op)
         return losses

@@ -79,6 +79,7 @@ class Plan:
     peak_stage: int
     peak_bytes: float
     fits: bool
+    virtual_stages: int = 1  # chunks per pipeline rank (interleaved 1F1B when > 1)
 
 
 def _tokens_per_rank(cfg: Config) -> float:
@@ -177,8 +178,8 @@ def make_plan(cfg: Config, gpus: int, gpu_memory_gb: float = 80.0, zero: int = 1
         sequence_parallel=p.sequence_parallel and p.tp > 1, dedup_dispatch=p.dedup_dispatch,
         dense_group=layout.dp * layout.cp, gpu_memory_gb=gpu_memory_gb, params=count_parameters(m),
         partition=partition, stages=stages, state_table=table, heaviest_stage=heaviest, alltoall_per_layer=alltoall,
-        bubble=bubble_fraction(p.pp, layout.grad_accum), peak_stage=peak.stage, peak_bytes=peak.total,
-        fits=peak.total <= gpu_memory_gb * GB)
+        bubble=bubble_fraction(p.pp, layout.grad_accum, p.virtual_stages), peak_stage=peak.stage,
+        peak_bytes=peak.total, fits=peak.total <= gpu_memory_gb * GB, virtual_stages=p.virtual_stages)
 
 
 def _param_count_dict(pc: ParamCount) -> dict:

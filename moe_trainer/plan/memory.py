@@ -140,7 +140,7 @@ class StageActivations:
     per_micro_batch: float  # no recomputation
     per_micro_batch_recompute: float  # full recomputation: each layer's input (the loss is kept)
     working_set: float  # full recomputation: one layer's activations rebuilt during its backward
-    in_flight: int
+    in_flight: float  # micro-batches' worth (fractional with parallel.virtual_stages > 1)
     no_recompute: float  # in_flight * per_micro_batch
     full_recompute: float  # in_flight * per_micro_batch_recompute + working_set
 
@@ -178,7 +178,7 @@ def stage_activation_bytes(cfg: Config, partition: Sequence[int], stage: int, mi
     full = [layer_acts(m, i, p.tp, b).per_rank(p.tp, sp) * tokens for i in blocks]
     loss = _loss_acts(m, p.tp, b).per_rank(p.tp, sp) * tokens if stage == len(partition) - 1 else 0.0
     kept = len(blocks) * m.hidden_size * b / (p.tp if sp else 1) * tokens + loss
-    flight = in_flight(stage, p.pp, micro_batches)
+    flight = in_flight(stage, p.pp, micro_batches, p.virtual_stages)
     working = max(full, default=0.0)
     return StageActivations(per_micro_batch=sum(full) + loss, per_micro_batch_recompute=kept,
                             working_set=working, in_flight=flight, no_recompute=flight * (sum(full) + loss),

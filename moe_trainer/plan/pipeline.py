@@ -29,19 +29,29 @@ def balanced_partition(n_layers: int, pp: int) -> list[int]:
 
 def stage_partition(cfg: Config) -> list[int]:
     """Layers per stage exactly as the trainer splits them: `parallel.pp_partition`
-    if given, else balanced by estimated compute (parallel/pipeline.py)."""
-    from ..parallel.pipeline import stage_layers
-    return [len(layers) for layers in stage_layers(cfg, cfg.train.seq_len)]
+    if given, else balanced by estimated compute (parallel/pipeline.py). With
+    parallel.virtual_stages > 1, the layers of each rank's chunks together (the
+    memory figures treat them as one block)."""
+    from ..parallel.pipeline import rank_chunks, stage_layers
+    virtual, pp = stage_layers(cfg, cfg.train.seq_len), cfg.parallel.pp
+    return [sum(len(c) for c in rank_chunks(virtual, s, pp)) for s in range(pp)]
 
 
-def in_flight(stage: int, pp: int, micro_batches: int) -> int:
-    """Micro-batches whose activations stage `stage` (0-based) holds at once under 1F1B: min(pp - stage, m)."""
-    return min(pp - stage, micro_batches)
+def in_flight(stage: int, pp: int, micro_batches: int, chunks: int = 1) -> float:
+    """Micro-batches' worth of activations stage `stage` (0-based) holds at once under 1F1B:
+    min(pp - stage, m); interleaved (chunks = v > 1): the warm-up's chunk forwards plus one,
+    each 1/v of the stage's layers (stage 0: (v p + p - 1) / v, more than plain 1F1B's p)."""
+    if chunks == 1:
+        return min(pp - stage, micro_batches)
+    from ..parallel.pipeline import interleaved_warmup
+    warmup = interleaved_warmup(stage, pp, micro_batches, chunks)
+    return min(warmup + 1, chunks * micro_batches) / chunks
 
 
-def bubble_fraction(pp: int, micro_batches: int) -> float:
-    """Idle share of a 1F1B / GPipe step: (p - 1) / (m + p - 1)."""
-    return (pp - 1) / (micro_batches + pp - 1)
+def bubble_fraction(pp: int, micro_batches: int, chunks: int = 1) -> float:
+    """Idle share of a 1F1B / GPipe step: (p - 1) / (m + p - 1); interleaved over v chunks per
+    rank: (p - 1) / (v m + p - 1)."""
+    return (pp - 1) / (chunks * micro_batches + pp - 1)
 
 
 def _layer_stages(partition: Sequence[int]) -> list[int]:

@@ -6,6 +6,19 @@ from typing import Sequence
 from .layout import Plan
 from .memory import ZeroRow
 from .params import GB, PARTS, PRECISIONS, ParamReport
+from .pipeline import bubble_fraction, in_flight
+
+
+def _bubble_line(plan: Plan, pp: int, mb: int) -> str:
+    """The pipeline bubble and stage 0's activations in flight, plain or interleaved (v > 1)."""
+    v = plan.virtual_stages
+    flight = plan.stages[0].activations.in_flight
+    if v == 1:
+        return (f"**Pipeline bubble** (p-1)/(m+p-1) = {pp - 1}/{mb + pp - 1} = {plan.bubble:.1%}. "
+                f"In flight on stage 0: {flight} micro-batches.")
+    return (f"**Pipeline bubble**, interleaved 1F1B over v = {v} chunks per rank: (p-1)/(v*m+p-1) = {pp - 1}/"
+            f"{v * mb + pp - 1} = {plan.bubble:.1%} (plain 1F1B: {bubble_fraction(pp, mb):.1%}). In flight on "
+            f"stage 0: {flight:g} micro-batches' worth of activations (plain 1F1B: {in_flight(0, pp, mb)}).")
 
 
 # ----------------------------------------------------------------------------- reports
@@ -144,8 +157,7 @@ def format_plan(plan: Plan, title: str = "") -> str:
              f"{plan.micro_batch_size} x {plan.seq_len} tokens, {mb} micro-batches per step, global batch "
              f"{plan.global_batch_size} sequences = {tokens / 1e6:.1f}M tokens.", "",
              *_param_lines(plan.params), *_state_lines(plan), *_stage_lines(plan), *_comm_lines(plan),
-             f"**Pipeline bubble** (p-1)/(m+p-1) = {pp - 1}/{mb + pp - 1} = {plan.bubble:.1%}. "
-             f"In flight on stage 0: {plan.stages[0].activations.in_flight} micro-batches.", "",
+             _bubble_line(plan, pp, mb), "",
              f"**Verdict:** the heaviest rank (stage {plan.peak_stage}) needs {fmt_bytes(plan.peak_bytes)}; "
              f"it {verdict} in {plan.gpu_memory_gb:g} GB.", ""]
     return "\n".join(lines)
