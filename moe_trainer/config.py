@@ -261,7 +261,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, check_data: bool = False) -> Config:
     """Defaults <- YAML file <- `--set` overrides, then validate."""
     cfg = Config()
     if path:
@@ -279,7 +279,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         for k in reversed(keys):
             nested = {k: nested}
         _apply(cfg, "", nested)
-    resolve_auto(cfg)
+    resolve_auto(cfg, check_data)
     validate(cfg)
     return cfg
 
@@ -292,9 +292,11 @@ def config_from_dict(data: dict) -> Config:
     return cfg
 
 
-def resolve_auto(cfg: Config) -> None:
+def resolve_auto(cfg: Config, check_data: bool = False) -> None:
     """model.vocab_size=auto -> the vocabulary of data.path (read from its index.json; 320 for
-    the default corpus). Explicit values stay and are checked against the data when it opens."""
+    the default corpus). Explicit values stay; `check_data` (the trainer's start) holds them
+    against the data's vocabulary now, else the data checks them when it opens (a model
+    built from a Hugging Face config.json has no data to ask)."""
     if cfg.model.vocab_size == "auto":
         from .data import DataError, data_vocab_size
         try:
@@ -303,7 +305,7 @@ def resolve_auto(cfg: Config) -> None:
             raise ConfigError(f"model.vocab_size is auto, but {e}") from None
     elif not isinstance(cfg.model.vocab_size, int):
         raise ConfigError(f"model.vocab_size must be a positive integer or auto, got {cfg.model.vocab_size!r}.")
-    else:  # an explicit value: at least the data's (when the data is there to ask; opening it checks again)
+    elif check_data:  # an explicit value: at least the data's (when the data is there to ask)
         from .data import DataError, data_vocab_size
         try:
             need = data_vocab_size(cfg.data.path)

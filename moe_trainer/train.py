@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, check_data=True)  # a training run: its data is there
         _single_process_env()
         from .run_dir import plan_start
         # the run directory's config.yaml decides a resume: every rank reads it alike

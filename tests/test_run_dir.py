@@ -121,7 +121,7 @@ def test_a_config_error_of_every_rank_is_printed_once(tmp_path):
 # ----------------------------------------------------------------------------- units
 
 def _cfg(*sets) -> Config:
-    return load_config(str(ROOT / "configs" / "moe_tiny.yaml"), list(sets))
+    return load_config(str(ROOT / "configs" / "moe_tiny.yaml"), list(sets), check_data=True)  # as the trainer loads it
 
 
 def test_merge_keeps_the_saved_values_the_command_does_not_give(tmp_path):
