@@ -2,12 +2,9 @@
 # Peak RSS per rank, checkpoint write/read time and bytes per rank, and export's peak RSS, against
 # world size (ep = world), for this checkout and (with BEFORE=<commit>) an older one side by side.
 # Usage: [BEFORE=028a211] scripts/bench_scale.sh [--ep 2,4,8] [--scale 1,4] [--experts 32] [--export]
-set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
-if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
-  export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
-fi
+# Makes .venv if missing and installs the project, as train.sh and test.sh do.
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+install_project "[test]"
 PY="${VPY:-$ROOT/.venv/bin/python}"
 if [ -n "${BEFORE:-}" ]; then
   OLD="$(mktemp -d)/before"
