@@ -17,12 +17,16 @@ FACTORIES = {"zeros", "ones", "empty", "full", "arange", "tensor", "as_tensor", 
              "linspace", "randperm", "zeros_like", "ones_like", "empty_like", "full_like"} - {
     "zeros_like", "ones_like", "empty_like", "full_like"}  # *_like take their input's device
 PER_STEP = [*sorted((PACKAGE / "models").glob("*.py")), *sorted((PACKAGE / "moe").glob("*.py")),
+            PACKAGE / "moe" / "placement" / "runtime.py",  # the placement solvers beside it are host-side planning
             *sorted((PACKAGE / "parallel").glob("*.py")), PACKAGE / "kernels" / "accelerator.py",
             PACKAGE / "kernels" / "reference.py", PACKAGE / "trainer.py"]
 ALLOWED = {
     # (file, function): why it may make host tensors
     ("models/layers.py", "rope_inv_freq"): "the RoPE frequency table, built once into a buffer that moves with the model",
-    ("moe/placement.py", "*"): "the placement solvers: host-side planning, run once per plan (pure numpy/torch on CPU)",
+    ("models/init.py", "*"): "initial values, made once at build time on the host and materialised into the module",
+    ("models/lm.py", "init_weights"): "initial values, once at build time",
+    ("moe/placement/runtime.py", "replica_candidates"): "a placement's candidate table, built once per plan; "
+                                                        "LayerPlacement.on copies it to the device once",
     ("parallel/replicas.py", "_fetch_plan"): "a placement's index tensors, built once; LayerPlacement.on copies them to "
                                              "the device once",
     ("parallel/replicas.py", "layer_placement"): "the same, built once at start-up",
