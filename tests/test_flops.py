@@ -89,7 +89,7 @@ def test_counted_flops_match_the_models_matmuls(monkeypatch):
     F.linear: oneDNN's matmul, which the projections use on a CPU in fp32, is no op the counter knows)."""
     from torch.utils.flop_counter import FlopCounterMode
     from moe_trainer.kernels.cpu import extension as cpu_kernels
-    from moe_trainer.models import layers
+    from moe_trainer.kernels.cpu import layers
     from moe_trainer.models.registry import build_model
     monkeypatch.setattr(layers, "fused_attention_ops", lambda q: None)
     monkeypatch.setattr(cpu_kernels, "onednn_linear_enabled", lambda: False)  # oneDNN's matmul: uncounted too

@@ -49,6 +49,7 @@ WORLD, ELEM, ALIGN = 2, 4, 2  # fp32 configs; DeepSpeed's nccl_start_alignment_f
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
     config, overrides = CASES[request.param]
+    overrides = overrides + ["train.dtype=fp32"]  # what these CPU ranks train in (auto: the planner assumes GPUs' bf16)
     cfg = load_config(str(ROOT / config), overrides)
     ranks = measure_layout(config, overrides, WORLD, steps=2, out_dir=str(tmp_path_factory.mktemp("honesty")))
     return request.param, cfg, plan.make_plan(cfg, WORLD), ranks
