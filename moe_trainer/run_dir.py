@@ -63,6 +63,7 @@ class Start:
     changes: dict = field(default_factory=dict)  # key -> (saved value, this start's value), accepted
     fresh_over: bool = False  # a fresh start in a directory that held a run's config
     from_saved: bool = False  # a resume that continues the run directory's config.yaml
+    resume: str = "auto"  # the command's train.resume (auto: a damaged newest checkpoint falls back)
 
 
 def _load_saved(path: Path) -> Config:

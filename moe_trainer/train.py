@@ -141,6 +141,7 @@ def main(argv=None) -> int:
         from .run_dir import plan_start
         # the run directory's config.yaml decides a resume: every rank reads it alike
         start = plan_start(cfg, given_keys(args.config, args.overrides), warn=rank == 0)
+        start.resume = cfg.train.resume  # the command's: Trainer.maybe_resume verifies by it
         cfg = start.cfg
         layout = validate_layout(cfg, world)
     except ConfigError as e:

@@ -180,6 +180,7 @@ class Trainer:
         config.yaml, the tokenizer, the MFU peak) and says what it decided."""
         if self.start is None:
             self.start = run_dir.plan_start(self.cfg, None, warn=self.is_logger)
+            self.start.resume = self.cfg.train.resume
         if self.is_logger:
             run_dir.print_lines(run_dir.describe(self.start))
             run_dir.record_start(self.start, self.layout.world, (self.peak, self.peak_source),
@@ -200,7 +201,7 @@ class Trainer:
         found = None
         if self.start.checkpoint is not None:  # plan_start chose it from its manifest and sizes; each rank
             # now checks the checksums of the files it reads, and all agree (a damaged one falls back)
-            resume = self.cfg.train.resume if self.cfg.train.resume == "auto" else str(self.start.checkpoint)
+            resume = "auto" if self.start.resume == "auto" else str(self.start.checkpoint)
             found = checkpoint.find_resume(self.out_dir, resume, warn=self.is_logger,
                                            files_read=lambda path: checkpoint.files_to_read(path, self),
                                            any_rank=self.any_rank)
