@@ -65,25 +65,25 @@ def chunk_peers(stage: int, stages: int, chunks: int, ranks: list[int]) -> Peers
 def needs(op: Op, peers: Peers) -> list[Transfer]:
     """What `op` must receive before it runs: a forward its activations from the previous stage,
     a backward its output gradient from the next stage."""
-    kind, i, c = op
-    prev, next_ = peers[c]
-    if kind == "F" and prev is not None:
-        return [Transfer("act", i, prev, send=False, chunk=c)]
-    if kind == "B" and next_ is not None:
-        return [Transfer("grad", i, next_, send=False, chunk=c)]
-    return []
+    return _transfer(op, peers, send=False)
 
 
 def produces(op: Op, peers: Peers) -> list[Transfer]:
     """What `op` sends when it is done: a forward its activations to the next stage, a backward
     the gradient of its input to the previous stage."""
+    return _transfer(op, peers, send=True)
+
+
+def _transfer(op: Op, peers: Peers, send: bool) -> list[Transfer]:
+    """`op`'s one transfer on its sending or receiving side, none at the ends of the pipeline."""
     kind, i, c = op
     prev, next_ = peers[c]
-    if kind == "F" and next_ is not None:
-        return [Transfer("act", i, next_, send=True, chunk=c)]
-    if kind == "B" and prev is not None:
-        return [Transfer("grad", i, prev, send=True, chunk=c)]
-    return []
+    # activations flow prev -> next, their gradients next -> prev
+    source, target = (prev, next_) if kind == "F" else (next_, prev)
+    peer = target if send else source
+    if peer is None:
+        return []
+    return [Transfer("act" if kind == "F" else "grad", i, peer, send=send, chunk=c)]
 
 
 def comm_plan(units: list[list[Op]], peers: Peers) -> list[tuple[list[Transfer], Optional[Op]]]:
