@@ -29,11 +29,12 @@ def _swap_search(items: np.ndarray, max_iters: int) -> np.ndarray:
     idx = np.arange(B * K).reshape(B, K)
     loads = items.sum(1)
     tol = 1e-12 * max(float(loads.max()), 1e-300)
+    singles = np.arange(K, dtype=np.int64).reshape(-1, 1)
     pairs = np.array(list(itertools.combinations(range(K), 2)), dtype=np.int64).reshape(-1, 2)
     for _ in range(max_iters):
         a = int(loads.argmax())
-        if not (_try_single_swap(items, idx, loads, a, tol) or
-                (len(pairs) and _try_pair_swap(items, idx, loads, a, pairs, tol))):
+        if not (_try_swap(items, idx, loads, a, singles, tol) or
+                (len(pairs) and _try_swap(items, idx, loads, a, pairs, tol))):
             break
     return idx.reshape(-1)
 
@@ -45,25 +46,13 @@ def _apply_best(worst: np.ndarray, limit: float) -> tuple[int, ...] | None:
     return None
 
 
-def _try_single_swap(items, idx, loads, a, tol) -> bool:
-    d = items[a][:, None, None] - items[None, :, :]  # [K, B, K]: load moved from bin a to bin b
-    worst = np.maximum(loads[a] - d, loads[None, :, None] + d)
-    worst[:, a, :] = np.inf
-    hit = _apply_best(worst, loads[a] - tol)
-    if hit is None:
-        return False
-    i, b, j = (int(x) for x in hit)
-    delta = d[i, b, j]
-    items[a, i], items[b, j] = items[b, j], items[a, i]
-    idx[a, i], idx[b, j] = idx[b, j], idx[a, i]
-    loads[a] -= delta
-    loads[b] += delta
-    return True
-
-
-def _try_pair_swap(items, idx, loads, a, pairs, tol) -> bool:
-    pair_sum = items[:, pairs[:, 0]] + items[:, pairs[:, 1]]  # [B, C]
-    d = pair_sum[a][:, None, None] - pair_sum[None, :, :]  # [C, B, C]
+def _try_swap(items, idx, loads, a, groups, tol) -> bool:
+    """Swap a group of bin a's items for a group of another bin's (groups [C, g]: each row g
+    positions within a bin; one-for-one swaps are groups of one). Of all such swaps, the one whose
+    heavier bin ends lightest, taken only if both bins end below loads[a] - tol; items, idx and
+    loads change in place."""
+    group_sum = items[:, groups].sum(-1)  # [B, C]
+    d = group_sum[a][:, None, None] - group_sum[None, :, :]  # [C, B, C]: load moved from bin a to bin b
     worst = np.maximum(loads[a] - d, loads[None, :, None] + d)
     worst[:, a, :] = np.inf
     hit = _apply_best(worst, loads[a] - tol)
@@ -71,7 +60,7 @@ def _try_pair_swap(items, idx, loads, a, pairs, tol) -> bool:
         return False
     p, b, q = (int(x) for x in hit)
     delta = d[p, b, q]
-    for i, j in zip(pairs[p], pairs[q]):
+    for i, j in zip(groups[p], groups[q]):
         items[a, i], items[b, j] = items[b, j], items[a, i]
         idx[a, i], idx[b, j] = idx[b, j], idx[a, i]
     loads[a] -= delta
