@@ -53,6 +53,22 @@ def _free_port() -> int:
 
 # ----------------------------------------------------------------------------- builders
 
+def _start(m, dtype):
+    """Every parameter drawn from N(0, 0.02), then cast, in training mode: each layer starts alike."""
+    import torch
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.02)
+    return m.to(dtype).train()
+
+
+def _loss_of_first_output(m):
+    """step(x) -> mean(out^2) for a layer returning (out, its aux loss)."""
+    def step(x):
+        return m(x)[0].float().square().mean()
+    return step
+
+
 def _build(impl: str, dtype, n_group: int, topk_group: int):
     """-> (module, step(x) returning a scalar loss)."""
     import torch
@@ -63,15 +79,8 @@ def _build(impl: str, dtype, n_group: int, topk_group: int):
         m = MoE(D, E, TOP_K, H, N_SHARED, n_group, topk_group, norm_topk_prob=True,
                 routed_scaling_factor=2.5, scoring_func="sigmoid",
                 impl="grouped" if impl == "ours_grouped" else "loop")
-        with torch.no_grad():
-            for p in m.parameters():
-                p.normal_(0, 0.02)
-        m = m.to(dtype).train()
-
-        def step(x):
-            out, aux = m(x)
-            return out.float().square().mean()
-        return m, step
+        m = _start(m, dtype)
+        return m, _loss_of_first_output(m)
 
     if impl == "deepspeed":
         import torch.distributed as tdist
@@ -99,16 +108,8 @@ def _build(impl: str, dtype, n_group: int, topk_group: int):
                 out, l_aux, _ = self.moe(flat)
                 return out + self.shared(flat), l_aux
 
-        m = Block()
-        with torch.no_grad():
-            for p in m.parameters():
-                p.normal_(0, 0.02)
-        m = m.to(dtype).train()
-
-        def step(x):
-            out, l_aux = m(x)
-            return out.float().square().mean()
-        return m, step
+        m = _start(Block(), dtype)
+        return m, _loss_of_first_output(m)
 
     if impl.startswith("hf"):
         from transformers import DeepseekV3Config
@@ -119,12 +120,10 @@ def _build(impl: str, dtype, n_group: int, topk_group: int):
         cfg._experts_implementation = "grouped_mm" if impl == "hf_grouped_mm" else "eager"
         m = DeepseekV3MoE(cfg)
         with torch.no_grad():
-            for name, p in m.named_parameters():
-                p.normal_(0, 0.02)
-            for name, b in m.named_buffers():
+            for b in m.buffers():
                 if b.is_floating_point():
                     b.zero_()
-        m = m.to(dtype).train()
+        m = _start(m, dtype)
 
         def step(x):
             return m(x).float().square().mean()
