@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import save_file
 
 from .config import ModelConfig
-from .hf import DEFAULT_SHARD_BYTES, KEEP_FP32, HFFormatError, _replace_dir, model_config_to_hf, our_to_hf_name
+from .hf import DEFAULT_SHARD_BYTES, KEEP_FP32, HFFormatError, model_config_to_hf, our_to_hf_name
+from .hf.write import _replace_dir
 
 Reader = Callable[[str, tuple, tuple], torch.Tensor]  # (our name, offsets, sizes) -> fp32 block
 
@@ -73,7 +74,7 @@ def _entries(cfg: ModelConfig, shapes: dict, read: Reader, dtype: torch.dtype, s
 
 
 def _hf_only(cfg: ModelConfig, shapes: dict, read: Reader, dtype: torch.dtype) -> list[Entry]:
-    """DeepSeek's MTP copies of the embedding and head; zero-width shared experts (as hf._add_hf_only)."""
+    """DeepSeek's MTP copies of the embedding and head; zero-width shared experts (as hf.write._add_hf_only)."""
     out = []
     embed = ("embed_tokens.weight", shapes["embed_tokens.weight"])
     head = ("lm_head.weight", shapes["lm_head.weight"]) if "lm_head.weight" in shapes else embed
