@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -23,7 +20,7 @@ from safetensors.torch import save_file
 
 from .config import ModelConfig
 from .hf import DEFAULT_SHARD_BYTES, KEEP_FP32, HFFormatError, model_config_to_hf, our_to_hf_name
-from .hf.write import _replace_dir
+from .hf.write import _staged_dir
 
 Reader = Callable[[str, tuple, tuple], torch.Tensor]  # (our name, offsets, sizes) -> fp32 block
 
@@ -112,11 +109,7 @@ def stream_to_hf(cfg: ModelConfig, shapes: dict, read: Reader, path, *, dtype: O
     hf_cfg = model_config_to_hf(cfg)
     hf_cfg["dtype"] = str(dtype).removeprefix("torch.")
     path = Path(path)
-    if path.exists() and not (path.is_dir() and not any(path.iterdir())) and not overwrite:
-        raise HFFormatError(f"{path} already exists and is not an empty directory; choose another output path.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    with _staged_dir(path, overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
         shards = _plan(entries, max_shard_bytes)
         weight_map = {}
@@ -129,13 +122,6 @@ def stream_to_hf(cfg: ModelConfig, shapes: dict, read: Reader, path, *, dtype: O
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(e.bytes for e in entries)}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        _replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 

@@ -3,12 +3,13 @@ experts one tensor per expert unless stacked, DeepSeek's MTP copies, the router 
 written beside the target and renamed into place."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -111,16 +112,8 @@ def to_hf(model: torch.nn.Module, path: PathLike, *, dtype: Optional[torch.dtype
     tensors = hf_state_dict(model, stacked_experts, dtype)
     hf_cfg["dtype"] = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     path = Path(path)
-    if path.exists() and not (path.is_dir() and not any(path.iterdir())) and not overwrite:
-        raise HFFormatError(f"{path} already exists and is not an empty directory; choose another output path.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    with _staged_dir(path, overwrite) as tmp:
         _write_dir(tmp, hf_cfg, tensors, max_shard_bytes)
-        _replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 
@@ -138,9 +131,26 @@ def _write_dir(tmp: Path, hf_cfg: dict, tensors: dict, max_shard_bytes: int) -> 
             total += sum(t.numel() * t.element_size() for t in shard.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+
+
+@contextlib.contextmanager
+def _staged_dir(path: Path, overwrite: bool) -> Iterator[Path]:
+    """A temporary directory beside `path` to write a checkpoint directory into: once the block is
+    done its files are fsynced and it replaces `path` (so `path` is either absent or complete); if
+    the block fails it is removed. A `path` holding anything is refused unless `overwrite`."""
+    if path.exists() and not (path.is_dir() and not any(path.iterdir())) and not overwrite:
+        raise HFFormatError(f"{path} already exists and is not an empty directory; choose another output path.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _replace_dir(tmp: Path, path: Path) -> None:
