@@ -223,8 +223,8 @@ def chunk_peaks(pp: int, v: int, m: int, mbs: int, seq: int) -> list[int]:
     """Peak saved-activation bytes of every rank running the (interleaved when v > 1) 1F1B order of its
     v chunks for m micro-batches, one process; a chunk's inputs come from the virtual stages before it,
     run without grad (what the rank would receive)."""
-    from .models.registry import build_model
-    from .parallel.pipeline import SCHEDULES, PipelineStage, rank_chunks, stage_layers
+    from ..models.registry import build_model
+    from ..parallel.pipeline import SCHEDULES, PipelineStage, rank_chunks, stage_layers
     cfg = _memory_cfg(pp, seq, [f"model.num_hidden_layers={INTERLEAVED_LAYERS}", f"parallel.virtual_stages={v}"])
     model = build_model(cfg.model, cfg.run.seed)
     virtual = stage_layers(cfg, seq)
@@ -265,8 +265,8 @@ def chunk_peaks(pp: int, v: int, m: int, mbs: int, seq: int) -> list[int]:
 def bench_interleaved(pps: list[int], vs: list[int], ms: list[int], mbs: int, seq: int, tmp: Path) -> list[dict]:
     """The trainer with parallel.virtual_stages=v: measured bubble (trace), the compute-only replay and
     (p-1)/(v m+p-1); and every rank's peak saved-activation bytes under that order (one process)."""
-    from .parallel.pipeline import one_f_one_b
-    from .pipeline_trace import executed_order
+    from ..parallel.pipeline import one_f_one_b
+    from ..pipeline_trace import executed_order
     rows = []
     for pp in pps:
         for v in vs:
