@@ -3,7 +3,7 @@
 The trainer does not know which model it trains: it gets one from the registry
 by model.arch, applies the layout's parallelism, and drives steps. Order of a
 step: data -> forward/backward per micro-batch -> optimizer step -> expert-bias
-update from globally summed counts -> metrics -> eval -> checkpoint.
+update from globally summed counts (expert_load/tracker.py) -> metrics -> eval -> checkpoint.
 """
 from __future__ import annotations
 
@@ -21,12 +21,11 @@ import torch.distributed as dist
 from . import checkpoint, run_dir
 from .config import Config, Layout, TrainConfig
 from .data import data_dir, open_data
-from .expert_load import imbalance_stats, write_expert_load
+from .expert_load.tracker import ExpertLoadTracker
 from .hf import load_initial_weights
 from .metrics import MetricSink, peak_memory_gb, peak_tflops, train_flops_per_token
 from .models.init import materialize
-from .models.registry import build_model, moe_layers
-from .moe import balance
+from .models.registry import build_model
 from .noise_scale import MicroGradNorms, NoiseScale, ReducedGradNorm
 from .parallel.comm import (CommCounter, all_reduce_small, count_deepspeed_collectives, enable_shm_transport,
                             route_deepspeed_collectives)
@@ -48,21 +47,6 @@ def get_lr(step: int, t: TrainConfig) -> float:
         return t.lr * (step + 1) / t.warmup_steps
     progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def all_moe_layer_ids(m) -> list[int]:
-    """Global ids of the MoE layers: main layers from first_k_dense_replace on,
-    then one per MTP depth (ids after the main layers, as in DeepSeek's checkpoints)."""
-    if m.arch != "deepseek_v3":
-        return []
-    main = [i for i in range(m.num_hidden_layers) if i >= m.first_k_dense_replace]
-    return main + [m.num_hidden_layers + k for k in range(m.num_nextn_predict_layers)]
-
-
-def _global_layer_id(name: str, m) -> int:
-    """'layers.3.mlp' -> 3; 'mtp.0.block.mlp' -> num_hidden_layers + 0."""
-    kind, idx = name.split(".")[:2]
-    return int(idx) if kind == "layers" else m.num_hidden_layers + int(idx)
 
 
 def loss_keys(m) -> list[str]:
@@ -144,17 +128,12 @@ class Trainer:
                             if self.noise_batches[1] > self.noise_batches[0] else None)
         self.reduced_norm = ReducedGradNorm(self.engine) if self.micro_norms is not None else None
         self.noise = NoiseScale(alpha=cfg.metrics.noise_scale_alpha)
-        # every MoE layer of the model (global ids); this stage owns some rows
-        self.moe_layer_ids = all_moe_layer_ids(cfg.model)
-        local = {_global_layer_id(name, cfg.model): m for name, m in moe_layers(self.model)}
-        self.moe = [(self.moe_layer_ids.index(i), m) for i, m in local.items()]
+        self.expert_load = ExpertLoadTracker(cfg.model, self.model, mesh, device)
         self.loss_keys = loss_keys(cfg.model)
         self.step = 0
         self.sink: Optional[MetricSink] = None
         self.flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
         self.peak, self.peak_source = peak_tflops(cfg.metrics.peak_tflops, self.dtype, device)
-        self._load_interval = torch.zeros(len(self.moe_layer_ids), cfg.model.n_routed_experts)
-        self._rank_load_interval = torch.zeros(len(self.moe_layer_ids), self.layout.ep)  # rows per EP rank
         self.clock = StepClock(device)
         self._stopping = False
         self._term = False
@@ -340,7 +319,7 @@ class Trainer:
         losses = self.reduce_losses({k: v / self.layout.grad_accum for k, v in sums.items()})
         skipped = not all(math.isfinite(v) for v in losses.values())
         self.update_noise_scale(skipped)
-        expert = self.update_expert_bias(apply=not skipped)
+        expert = self.expert_load.update_bias(apply=not skipped)
         step_time = time.perf_counter() - t0  # after reduce_losses' host sync: the step's kernels are done
         return {"losses": losses, "times": times, "step_time": step_time, "expert": expert,
                 "comm": self.comm.reset(), "skipped": skipped}
@@ -400,45 +379,6 @@ class Trainer:
             vec /= self.mesh.size("dpcp")
         return dict(zip(self.loss_keys, vec.tolist()))  # .tolist(): host sync, once per step
 
-    @torch.no_grad()
-    def update_expert_bias(self, apply: bool = True) -> Optional[dict]:
-        """Aux-loss-free balancing: counts summed over every rank that routed tokens,
-        so every replica of each bias moves identically."""
-        if not self.moe_layer_ids:
-            return None
-        n, e, ep = len(self.moe_layer_ids), self.cfg.model.n_routed_experts, self.layout.ep
-        counts = torch.zeros(n, e, device=self.device)  # rows of other stages stay 0 here
-        # MoE.stats[:5], then the rows this rank's experts computed in column 5 + its EP index: the
-        # dp x cp sum gives each EP rank's load (summed over expert-data-parallel replicas)
-        stats = torch.zeros(n, 5 + ep, dtype=torch.float64, device=self.device)
-        ep_rank = self.mesh.index("ep")
-        for row, m in self.moe:
-            counts[row], stats[row, :5], stats[row, 5 + ep_rank] = m.tokens_per_expert, m.stats[:5], m.stats[5]
-        if self.mesh.group("dpcp") is not None:
-            all_reduce_small(counts, self.mesh.group("dpcp"))
-            all_reduce_small(stats, self.mesh.group("dpcp"))
-        speed = self.cfg.model.bias_update_speed if apply else 0.0
-        for row, layer in self.moe:
-            if speed > 0:
-                balance.update_bias(layer.gate.e_score_correction_bias, counts[row], speed)
-            layer.reset_counters()
-        if self.mesh.group("pp") is not None:  # every stage's rows, for logging
-            all_reduce_small(counts, self.mesh.group("pp"))
-            all_reduce_small(stats, self.mesh.group("pp"))
-        counts, rank_rows = counts.cpu(), stats[:, 5:].float().cpu()  # rank_rows: (layers, ep) this step
-        self._load_interval += counts
-        self._rank_load_interval += rank_rows
-        return {"counts": counts, "stats": stats[:, :5].cpu(), "rank_rows": rank_rows}
-
-    def biases(self) -> torch.Tensor:
-        """(moe_layers, E) balancing biases, every stage's rows (collective under pp)."""
-        bias = torch.zeros(len(self.moe_layer_ids), self.cfg.model.n_routed_experts, device=self.device)
-        for row, m in self.moe:
-            bias[row] = m.gate.e_score_correction_bias.detach().float()
-        if self.mesh.group("pp") is not None:
-            all_reduce_small(bias, self.mesh.group("pp"))
-        return bias.cpu()
-
     # ------------------------------------------------------------------ eval and logging
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -472,7 +412,7 @@ class Trainer:
             record.update({"noise_scale_tokens": self.noise.value, "noise.grad_sq": self.noise.grad_sq,
                            "noise.trace_sigma": self.noise.trace_sigma})
         if r["expert"] is not None:
-            record.update(self.expert_metrics(r["expert"]))
+            record.update(self.expert_load.metrics(r["expert"], self.sink, self.out_dir, self.step))
         for kind, sent in r["comm"]["sent"].items():  # this rank's bytes in the last step
             record[f"comm.{kind}_sent_bytes"] = sent
             record[f"comm.{kind}_received_bytes"] = r["comm"]["received"][kind]
@@ -485,30 +425,3 @@ class Trainer:
             self.sink.log(self.step, record)
             self.sink.progress(self.step, record)
         return record
-
-    def expert_metrics(self, expert: dict) -> dict:
-        load = self._load_interval
-        self._load_interval = torch.zeros_like(load)
-        stats = imbalance_stats(load)
-        bias = self.biases()
-        out = {"expert.max_over_mean": float(stats["max_over_mean"].mean()),
-               "expert.cv": float(stats["cv"].mean()),
-               "expert.frac_below_10pct": float(stats["frac_below_10pct"].mean()),
-               "expert.bias_spread": float((bias.max(-1).values - bias.min(-1).values).mean())}
-        s = expert["stats"]
-        if self.cfg.model.capacity_factor is not None:
-            out["expert.dropped_frac"] = float(s[:, 3].sum() / s[:, 4].sum().clamp_min(1))
-        for i, layer_id in enumerate(self.moe_layer_ids):
-            out[f"expert_layer{layer_id}.max_over_mean"] = float(stats["max_over_mean"][i])
-            out[f"expert_layer{layer_id}.cv"] = float(stats["cv"][i])
-        if self.layout.ep > 1:  # measured: the most loaded EP rank over the mean (what a placement plan lowers)
-            ranks = imbalance_stats(self._rank_load_interval)["max_over_mean"]
-            out["expert.rank_max_over_mean"] = float(ranks.mean())
-            for i, layer_id in enumerate(self.moe_layer_ids):
-                out[f"expert_layer{layer_id}.rank_max_over_mean"] = float(ranks[i])
-        self._rank_load_interval.zero_()
-        if self.sink:
-            write_expert_load(self.out_dir, self.step, load, bias=bias, layer_ids=self.moe_layer_ids)
-            for i, layer_id in enumerate(self.moe_layer_ids):
-                self.sink.histogram(f"expert_load/layer{layer_id}", load[i], self.step)
-        return out

@@ -19,7 +19,8 @@ FACTORIES = {"zeros", "ones", "empty", "full", "arange", "tensor", "as_tensor", 
 PER_STEP = [*sorted((PACKAGE / "models").glob("*.py")), *sorted((PACKAGE / "moe").glob("*.py")),
             PACKAGE / "moe" / "placement" / "runtime.py",  # the placement solvers beside it are host-side planning
             *sorted((PACKAGE / "parallel").glob("*.py")), PACKAGE / "kernels" / "accelerator.py",
-            PACKAGE / "kernels" / "reference.py", PACKAGE / "trainer.py"]
+            PACKAGE / "kernels" / "reference.py", PACKAGE / "trainer.py",
+            PACKAGE / "expert_load" / "tracker.py"]  # the trainer's per-step expert-load bookkeeping
 ALLOWED = {
     # (file, function): why it may make host tensors
     ("models/layers.py", "rope_inv_freq"): "the RoPE frequency table, built once into a buffer that moves with the model",

@@ -1,7 +1,7 @@
 """Expert load of a run directory: the on-disk format, statistics, report and placement plan.
 
-The trainer writes one file per logging interval (files.py: `write_expert_load`, with
-`imbalance_stats` from stats.py for its per-step metrics); the tool reads them.
+The trainer writes one file per logging interval (tracker.py: its bias update, metrics and
+files); the tool reads them.
 
 Command line (`tools/expert_load.py`, see `--help`):
     expert_load.py RUN_DIR --out DIR [--step N]     imbalance report + plots
@@ -16,7 +16,9 @@ import path):
 - stats.py: the imbalance statistics (pure);
 - report.py: the analysis of a run, its markdown report and plots;
 - plan.py: the redundant-expert placement plan of a measured load;
-- cli.py: the command line (`main`).
+- cli.py: the command line (`main`);
+- tracker.py: the trainer's side, ExpertLoadTracker (not re-exported: it needs the process group,
+  which the tool does not).
 """
 from .cli import main  # noqa: F401
 from .files import (EXPERT_LOAD_DIR, PLACEMENT_FILE, ExpertLoadError, ExpertLoadRecord,  # noqa: F401
