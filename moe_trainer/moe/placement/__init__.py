@@ -13,7 +13,7 @@ the policy is hierarchical: every group lives on one node, G/N groups per node,
 so a token's experts span few nodes. Otherwise the policy is global (one pool
 of P GPUs, groups ignored), as in EPLB.
 
-Solvers (pure: tensors in, tensors out, no torch.distributed):
+Solvers (pure: tensors in, tensors out, no collectives or process groups):
 - `eplb_reference` (eplb.py): our implementation of the published EPLB greedy
   (balanced packing of groups to nodes -> per node, greedily give the next
   replica to the expert with the largest load per replica -> balanced packing

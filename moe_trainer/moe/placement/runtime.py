@@ -1,6 +1,6 @@
 """Applying a plan at run time (what parallel/replicas.py and the EP dispatcher use): the plan's
 check, GPU -> EP rank relabelling, and the slot each routed copy goes to. Pure: tensors in,
-tensors out, no torch.distributed."""
+tensors out, no collectives or process groups."""
 from __future__ import annotations
 
 from typing import Sequence
