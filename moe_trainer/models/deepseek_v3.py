@@ -1,7 +1,7 @@
 """DeepSeek-V3: multi-head latent attention, DeepSeekMoE blocks, multi-token prediction.
 
 Parameter names follow Hugging Face's DeepseekV3ForCausalLM (minus the
-`model.` prefix), so conversion is a rename (see hf.py).
+`model.` prefix), so conversion is a rename (see hf/names.py).
 """
 from __future__ import annotations
 
