@@ -98,7 +98,12 @@ class TrainConfig:
     checkpoint_every: int = 100  # 0 = only at the end
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | none | <checkpoint path>
-    init_from: str = ""  # start from these weights: a Hugging Face directory, our safetensors, a run checkpoint
+    # start from these weights: a Hugging Face directory, our safetensors, a run checkpoint. A Hugging Face
+    # directory's config.json gives the model section: the config may leave out model fields (or the whole
+    # section) and gets the directory's; a model field it writes must agree with config.json, unless it only
+    # shapes training (bias_update_speed, moe_impl, max_position_embeddings, ...). The run directory's
+    # config.yaml records the model resolved so.
+    init_from: str = ""
     log_every: int = 10
     eval_every: int = 50
     eval_batches: int = 4
@@ -261,8 +266,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, check_data: bool = False) -> Config:
-    """Defaults <- YAML file <- `--set` overrides, then validate."""
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, check_data: bool = False,
+                read_init_from: bool = False) -> Config:
+    """Defaults <- YAML file <- `--set` overrides, then validate.
+
+    `read_init_from` (a run's start, tools/plan.py): a Hugging Face directory in train.init_from
+    gives the model section (resolve_init_from), so its precedence is defaults <- the directory's
+    config.json <- the file's and the overrides' model fields, which must agree with it."""
     cfg = Config()
     if path:
         p = Path(path)
@@ -279,6 +289,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         for k in reversed(keys):
             nested = {k: nested}
         _apply(cfg, "", nested)
+    if read_init_from:
+        resolve_init_from(cfg, given_keys(path, overrides))
     resolve_auto(cfg, check_data)
     validate(cfg)
     return cfg
@@ -290,6 +302,29 @@ def config_from_dict(data: dict) -> Config:
     resolve_auto(cfg)
     validate(cfg)
     return cfg
+
+
+def resolve_init_from(cfg: Config, given: set[str]) -> None:
+    """train.init_from, checked before any process group: it must exist, and a directory must be a
+    Hugging Face checkpoint (config.json) or a run checkpoint (manifest.json). A Hugging Face
+    directory's config.json gives the model section: the family (model_type / architectures) and
+    every field the command does not set itself (`given`: given_keys). A field the command sets
+    must agree with config.json, unless it only shapes training (bias_update_speed, moe_impl,
+    max_position_embeddings, ...); vocab_size auto takes the directory's (hf.init_from_model)."""
+    if not cfg.train.init_from:
+        return
+    path = Path(cfg.train.init_from)
+    _require(path.exists(), f"train.init_from {path} does not exist.")
+    if not path.is_dir() or (path / "manifest.json").is_file():
+        return  # a safetensors file of our names or a run checkpoint: the config describes the model
+    _require((path / "config.json").is_file(),
+             f"train.init_from {path} is a directory with neither config.json (a Hugging Face checkpoint) nor "
+             f"manifest.json (a run checkpoint).")
+    from .hf import HFFormatError, init_from_model
+    try:
+        cfg.model = init_from_model(path, cfg.model, [k.split(".", 1)[1] for k in given if k.startswith("model.")])
+    except HFFormatError as e:
+        raise ConfigError(str(e)) from None
 
 
 def resolve_auto(cfg: Config, check_data: bool = False) -> None:

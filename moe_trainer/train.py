@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = load_config(args.config, args.overrides, check_data=True)  # a training run: its data is there
+        # a training run: its data is there, and a Hugging Face train.init_from gives the model section
+        cfg = load_config(args.config, args.overrides, check_data=True, read_init_from=True)
         _single_process_env()
         from .run_dir import plan_start
         # the run directory's config.yaml decides a resume: every rank reads it alike

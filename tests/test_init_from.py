@@ -45,8 +45,14 @@ def test_first_loss_equals_transformers_loss(tmp_path):
     assert abs(got - expected) < 1e-4 * expected, (got, expected)
 
 
-def test_init_from_another_architecture_is_refused(tmp_path):
+def test_init_from_contradicting_the_config_is_one_sentence(tmp_path):
+    """configs/moe_tiny.yaml writes hidden_size 256; the directory's config.json says 64: one sentence
+    before anything is built or written."""
     _hf_model(tmp_path)
     proc = launch(1, tmp_path / "run", ["train.max_steps=1", f"train.init_from={tmp_path / 'hf'}"],
                   launcher="python")
-    assert proc.returncode == 2 and "train.init_from" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"config error: model.hidden_size is 256, but the config.json of train.init_from {tmp_path / 'hf'} gives 64; "
+        f"leave model.hidden_size unset to take the directory's value.")
+    assert not (tmp_path / "run").exists()

@@ -89,7 +89,7 @@ def _run_zero(argv: list[str]) -> int:
 
 def _run_plan(argv: list[str]) -> int:
     args = _plan_parser().parse_args(argv)
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set, read_init_from=True)  # a Hugging Face train.init_from: plan its model
     result = plan.make_plan(cfg, args.gpus, args.gpu_memory_gb, args.zero, args.precision)
     if args.json:
         print(json.dumps(plan.plan_to_dict(result), indent=1))

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import tempfile
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from safetensors.torch import save_file
@@ -42,17 +43,53 @@ def load_initial_weights(model: torch.nn.Module, path: PathLike) -> None:
     path = Path(path)
     if not (path / "config.json").is_file():
         return load_weights_file(model, path)
-    theirs = hf_config_to_model_config(read_config(path))
-    ours = model.cfg
-    differ = [f.name for f in dataclasses.fields(ours) if f.name not in _TRAINING_ONLY
-              and getattr(ours, f.name) != getattr(theirs, f.name)
-              and not (f.name == "num_nextn_predict_layers" and getattr(theirs, f.name) == 0)]
-    if differ:
-        name = differ[0]
-        raise HFFormatError(f"train.init_from {path} has {name}={getattr(theirs, name)!r} but model.{name} is "
-                            f"{getattr(ours, name)!r}; use the model section tools/convert_hf.py import writes.")
+    check_same_model(model.cfg, hf_dir_model(path), [f.name for f in dataclasses.fields(ModelConfig)], path)
     from ..init_from import load_hf_dir
-    load_hf_dir(model, ours, path)
+    load_hf_dir(model, model.cfg, path)
+
+
+def hf_dir_model(path: PathLike) -> ModelConfig:
+    """The model the config.json of Hugging Face directory `path` (train.init_from) describes."""
+    try:
+        return hf_config_to_model_config(read_config(path))
+    except HFFormatError as e:
+        raise HFFormatError(f"train.init_from {path}: {e}") from None
+
+
+def init_from_model(path: PathLike, command: ModelConfig, given: Iterable[str]) -> ModelConfig:
+    """The model section of a run that starts from Hugging Face directory `path`: its config.json's
+    fields, and the command's values of the fields it sets itself (`given`), each of which must agree
+    with config.json (check_same_model); vocab_size auto takes the directory's."""
+    theirs = hf_dir_model(path)
+    mine = {name: getattr(command, name) for name in given if getattr(command, name) != "auto"}
+    model = dataclasses.replace(theirs, **mine)
+    check_same_model(model, theirs, mine, path)
+    return model
+
+
+def check_same_model(ours: ModelConfig, theirs: ModelConfig, names: Iterable[str], path: PathLike) -> None:
+    """Each of `names` (model fields) is the same in `ours` as in `theirs`, the model of Hugging Face
+    directory `path`, else one sentence naming the first that is not. Fields that only shape training
+    may differ, and so may num_nextn_predict_layers over a directory without MTP (its modules start
+    from their initialisation)."""
+    names = set(names)
+    for name in [f.name for f in dataclasses.fields(ModelConfig) if f.name in names]:  # model.arch first
+        if name in _TRAINING_ONLY or _value(ours, name) == _value(theirs, name):
+            continue
+        if name == "num_nextn_predict_layers" and theirs.num_nextn_predict_layers == 0:
+            continue
+        raise HFFormatError(f"model.{name} is {_value(ours, name)!r}, but the config.json of train.init_from "
+                            f"{path} gives {_value(theirs, name)!r}; leave model.{name} unset to take the "
+                            f"directory's value.")
+
+
+def _value(cfg: ModelConfig, name: str):
+    """A model field, with the fields whose None stands for a default (Llama's GQA) spelled out."""
+    if name == "num_key_value_heads":
+        return cfg.num_key_value_heads or cfg.num_attention_heads
+    if name == "head_dim":
+        return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    return getattr(cfg, name)
 
 
 def save_weights_file(model: torch.nn.Module, path: PathLike) -> Path:
