@@ -55,11 +55,9 @@ def gather_routing(topk_idx, group=None):
     return out
 
 
-def _layer_worker(rank, world, port, dedup, routing_mode, dtype_name, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    dtype = getattr(torch, dtype_name)
+def _layer_case(rank, world, dedup, routing_mode, dtype) -> dict:
+    """One MoE layer's forward + backward on this EP rank's tokens: counted bytes against the planner's,
+    and (fp32) outputs and gradients against the single-rank layer on all ranks' tokens."""
     # node-limited: one group of experts per EP rank, each token picks one group (as DeepSeek-V3 maps
     # groups to nodes); free: plain top-k over all experts
     n_group, topk_group = (world, 1) if routing_mode == "node_limited" else (1, 1)
@@ -89,30 +87,51 @@ def _layer_worker(rank, world, port, dedup, routing_mode, dtype_name, results):
 
     if dtype == torch.float32:  # parity with the single-rank layer on all ranks' tokens
         errors += ep_layer_parity_errors(layer, ref, out, ref_out, x, x_ref, rank, world, 3, E)
-    results[rank] = {"errors": errors, "sent": got_sent, "n_routes": int(seen[0].numel()),
-                     "rows_sent": got_sent["dispatch"] // (D * (torch.finfo(dtype).bits // 8))}
+    return {"errors": errors, "sent": got_sent, "n_routes": int(seen[0].numel()),
+            "rows_sent": got_sent["dispatch"] // (D * (torch.finfo(dtype).bits // 8))}
+
+
+# every (dedup, routing, dtype) case, run one after another in one process group per world size
+# (each process start costs more than all the cases it runs)
+CASES = [(dedup, routing, "float32") for routing in ("free", "node_limited") for dedup in (False, True)] + \
+        [(True, "free", "bfloat16")]
+
+
+def _layer_worker(rank, world, port, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    results[rank] = {case: _layer_case(rank, world, case[0], case[1], getattr(torch, case[2])) for case in CASES}
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def layer_runs(request):
+    """{case: {rank: result}} of every CASES entry on `world` spawned gloo ranks."""
+    world = request.param
+    by_rank = spawn_ranks(_layer_worker, world)
+    return world, {case: {r: by_rank[r][case] for r in by_rank} for case in CASES}
+
+
 @pytest.mark.parametrize("dedup", [False, True])
-def test_dispatcher_bytes_equal_planner_and_layer_equals_single_rank(world, dedup):
-    res = spawn_ranks(_layer_worker, world, dedup, "free", "float32")
+def test_dispatcher_bytes_equal_planner_and_layer_equals_single_rank(layer_runs, dedup):
+    _, runs = layer_runs
+    res = runs[(dedup, "free", "float32")]
     assert all(not r["errors"] for r in res.values()), {k: r["errors"] for k, r in res.items()}
     assert sum(r["sent"]["dispatch"] for r in res.values()) > 0
 
 
-def test_dedup_bytes_bf16_equal_planner():
-    res = spawn_ranks(_layer_worker, 2, True, "free", "bfloat16")
+def test_dedup_bytes_bf16_equal_planner(layer_runs):
+    _, runs = layer_runs
+    res = runs[(True, "free", "bfloat16")]
     assert all(not r["errors"] for r in res.values()), {k: r["errors"] for k, r in res.items()}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_dedup_sends_fewer_bytes_for_node_limited_routing(world):
+def test_dedup_sends_fewer_bytes_for_node_limited_routing(layer_runs):
     """Each token picks one group = one EP rank, so dedup sends at most one row per token (k without);
     the router and inputs are identical in both runs, so the routing is too."""
-    plain = spawn_ranks(_layer_worker, world, False, "node_limited", "float32")
-    dedup = spawn_ranks(_layer_worker, world, True, "node_limited", "float32")
+    _, runs = layer_runs
+    plain, dedup = runs[(False, "node_limited", "float32")], runs[(True, "node_limited", "float32")]
     for res in (plain, dedup):
         assert all(not r["errors"] for r in res.values()), {k: r["errors"] for k, r in res.items()}
     total_plain = sum(r["sent"]["dispatch"] for r in plain.values())
@@ -215,9 +234,9 @@ PROBE = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("dedup", [False, True])
-def test_launched_trainer_logged_bytes_equal_planner(tmp_path, dedup):
-    """Real launcher, real train.main: rank 0's logged comm.dispatch_sent_bytes (and combine) per step equals
+def test_launched_trainer_logged_bytes_equal_planner(tmp_path, dedup=True):
+    """Real launcher, real train.main, deduplicated dispatch (the plain one's logged bytes are checked in
+    process by test_trainer_step_bytes_equal_planner, through the same CommCounter): rank 0's logged comm.dispatch_sent_bytes (and combine) per step equals
     plan.alltoall_bytes_exact over the routings both ranks recorded; those routings are tied to the trainer's
     own logs by their per-expert counts equalling the logged expert load of each step."""
     from moe_trainer.expert_load import expert_load_path, read_expert_load

@@ -53,13 +53,13 @@ def test_exact_resume_pipeline_and_experts(straight, tmp_path):
                         rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("world, layout", [(1, []), (2, ["parallel.ep=2"])])
-def test_resharded_resume(straight, tmp_path, world, layout):
-    """A checkpoint written at (pp 2, ep 2, world 4) continues on fewer ranks."""
+def test_resharded_resume(straight, tmp_path):
+    """A checkpoint written at (pp 2, ep 2, world 4) continues on one rank with the same losses and
+    gradient norms (tests/test_checkpoint_reshard.py moves checkpoints between the other layouts, and
+    tests/test_run_dir.py resumes on another multi-rank layout)."""
     out = tmp_path / "run"
     ckpt = straight / "checkpoints" / "step_5"
-    launcher = "python" if world == 1 else "deepspeed"
-    check(launch(world, out, BASE + layout + ["train.max_steps=10", f"train.resume={ckpt}"], launcher=launcher))
+    check(launch(1, out, BASE + ["train.max_steps=10", f"train.resume={ckpt}"], launcher="python"))
     for read in (train_losses, train_grad_norms):
         a, b = read(straight), read(out)
         assert sorted(b) == list(range(6, 11))
@@ -126,7 +126,7 @@ def test_a_dead_rank_ends_the_job_quickly(tmp_path):
 
 
 def test_sigkill_at_random_moments_always_resumes_from_a_complete_checkpoint(tmp_path):
-    """Killed 5 times (checkpoints every step, so some kills land mid-write), a
+    """Killed 3 times (checkpoints every step, so some kills land mid-write), a
     restart with resume=auto always picks a complete checkpoint and finishes
     with the same weights as a run that was never interrupted."""
     rng = random.Random(0)
@@ -136,7 +136,7 @@ def test_sigkill_at_random_moments_always_resumes_from_a_complete_checkpoint(tmp
     out = tmp_path / "run"
     args = [a for o in BASE + steps + [f"run.out_dir={out}", "train.resume=auto"] for a in ("--set", o)]
     cmd = [str(VENV_BIN / "python"), "-m", "moe_trainer.train", "--config=configs/moe_tiny.yaml", *args]
-    for _ in range(5):
+    for _ in range(3):
         p = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         time.sleep(rng.uniform(4.0, 9.0))  # start-up takes a few seconds; then steps and writes interleave
         p.send_signal(signal.SIGKILL)

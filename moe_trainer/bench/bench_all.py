@@ -2,9 +2,12 @@
 
 Runs, each job alone in rounds that alternate the order (bench/headline.py):
 - end to end (`bench.train --mode alone`): ours on 1 rank against transformers' DeepseekV3ForCausalLM
-  + DeepSpeed ZeRO-1 at its best (eager or sdpa attention, measured in the run), bf16;
+  + DeepSpeed ZeRO-1 at its best (eager or sdpa attention, measured in the run);
 - expert parallelism (`bench.ep --mode alone`): ours at ep = world 1 and 2 against DeepSpeed AutoEP
-  at the same worlds, bf16.
+  at the same worlds.
+The dtype (`--dtype`) is bf16 where the CPU multiplies bf16 natively (AVX-512 BF16 or AMX, what
+oneDNN reports) and fp32 elsewhere: on an AVX2-only CPU bf16 GEMMs are emulated, several times
+slower than fp32, and a bf16 headline would time the emulation, not the trainers.
 Then it writes each benchmark's JSON and PNGs (tokens/s per configuration with the spread over
 rounds, the step-time split) to docs/bench/, and rewrites the table between the `bench_all` markers
 of docs/BENCHMARKS.md, every row with its command and date. The headline ratio gives the peer the
@@ -34,19 +37,25 @@ SMOKE_SETS = ["model.hidden_size=64", "model.num_attention_heads=2", "model.inte
               "train.micro_batch_size=2", "train.global_batch_size=4"]
 
 
-def train_cmd(out: Path, smoke: bool) -> list[str]:
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (oneDNN's own check: AVX-512 BF16 or AMX)."""
+    import torch
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def train_cmd(out: Path, smoke: bool, dtype: str) -> list[str]:
     if smoke:
         sets = [a for kv in SMOKE_SETS for a in ("--set", kv)]
-        return [sys.executable, "-m", "moe_trainer.bench.train", "--mode", "alone", "--dtypes", "bf16", "--steps", "3",
+        return [sys.executable, "-m", "moe_trainer.bench.train", "--mode", "alone", "--dtypes", dtype, "--steps", "3",
                 "--warmup", "1", "--rounds", "2", "--out", str(out), *sets]
-    return [sys.executable, "-m", "moe_trainer.bench.train", "--mode", "alone", "--dtypes", "bf16", "--steps", "8",
+    return [sys.executable, "-m", "moe_trainer.bench.train", "--mode", "alone", "--dtypes", dtype, "--steps", "8",
             "--warmup", "3", "--rounds", "3", "--out", str(out)]
 
 
-def ep_cmd(out: Path, smoke: bool) -> list[str]:
+def ep_cmd(out: Path, smoke: bool, dtype: str) -> list[str]:
     steps = ["--steps", "3", "--warmup", "1", "--rounds", "1", "--worlds", "1"] if smoke else \
         ["--steps", "20", "--warmup", "5", "--rounds", "2", "--worlds", "1,2"]
-    return [sys.executable, "-m", "moe_trainer.bench.ep", "--mode", "alone", "--dtypes", "bf16",
+    return [sys.executable, "-m", "moe_trainer.bench.ep", "--mode", "alone", "--dtypes", dtype,
             "--peer-worlds", steps[steps.index("--worlds") + 1], *steps, "--out", str(out)]
 
 
@@ -131,7 +140,12 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="train,ep", help="comma list of benchmarks to run (train, ep)")
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "bench"), help="JSON and PNGs")
     ap.add_argument("--doc", default=str(ROOT / "docs" / "BENCHMARKS.md"), help="the document whose table is rewritten")
+    ap.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                    help="auto: bf16 where the CPU has native bf16 GEMMs, else fp32")
     a = ap.parse_args(argv)
+    dtype = a.dtype if a.dtype != "auto" else ("bf16" if native_bf16() else "fp32")
+    print(f"dtype {dtype}" + (" (this CPU has no native bf16 GEMMs)" if a.dtype == "auto" and dtype == "fp32" else ""),
+          flush=True)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results, t0 = {}, time.time()
@@ -139,7 +153,7 @@ def main(argv=None) -> int:
         if name not in a.only.split(","):
             continue
         path = out / f"{name}_headline.json"
-        cmd = make(path, a.smoke)
+        cmd = make(path, a.smoke, dtype)
         print("running:", " ".join(cmd[1:]), flush=True)
         proc = subprocess.run(cmd, cwd=ROOT)
         if proc.returncode != 0 or not path.exists():
