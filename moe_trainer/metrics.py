@@ -30,6 +30,25 @@ GPU_TF32_TFLOPS = {"H100 PCIe": 378.0, "H100 NVL": 418.0, "H200": 494.5, "H100":
                    "A100": 156.0, "A800": 156.0, "L40S": 183.0, "A10G": 35.0, "L4": 60.0, "MI300X": 653.7}
 
 
+class StepClock:
+    """Phase boundaries of a step without a host sync. On CUDA a mark is an event recorded on the
+    current stream (the host clock would time kernel launches, not kernels), read once the step's
+    one sync (the loss reduction) has passed; elsewhere the host clock."""
+
+    def __init__(self, device: torch.device = torch.device("cpu")):
+        self.events = device.type == "cuda"
+
+    def mark(self):
+        if not self.events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.events else b - a
+
+
 def matmul_flops_per_token(cfg: ModelConfig) -> dict[str, float]:
     """Forward multiply-adds x 2 per token for the matmuls a token activates.
 

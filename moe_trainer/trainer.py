@@ -23,7 +23,7 @@ from .config import Config, Layout, TrainConfig
 from .data import data_dir, open_data
 from .expert_load.tracker import ExpertLoadTracker
 from .hf import load_initial_weights
-from .metrics import MetricSink, peak_memory_gb, peak_tflops, train_flops_per_token
+from .metrics import MetricSink, StepClock, peak_memory_gb, peak_tflops, train_flops_per_token
 from .models.init import materialize
 from .models.registry import build_model
 from .noise_scale import MicroGradNorms, NoiseScale, ReducedGradNorm
@@ -70,25 +70,6 @@ class StepTimes:
         return {f"time.{k}_s": v for k, v in self.__dict__.items()}
 
 
-class StepClock:
-    """Phase boundaries of a step without a host sync. On CUDA a mark is an event recorded on the
-    current stream (the host clock would time kernel launches, not kernels), read once the step's
-    one sync (the loss reduction) has passed; elsewhere the host clock."""
-
-    def __init__(self, device: torch.device):
-        self.events = device.type == "cuda"
-
-    def mark(self):
-        if not self.events:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, a, b) -> float:
-        return a.elapsed_time(b) / 1e3 if self.events else b - a
-
-
 class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, device: torch.device, start: Optional[run_dir.Start] = None):
         """`start`: what moe_trainer.train decided before the process group (the checkpoint to
@@ -119,6 +100,7 @@ class Trainer:
             route_deepspeed_collectives()
         # ZeRO's gradient reductions and parameter gathers, counted like the all-to-alls
         count_deepspeed_collectives(self.comm, {mesh.group("dpcp"): "dp", mesh.group("edp"): "edp"})
+        self.clock = StepClock(device)
         self.executor = self._build_executor() if self.pipelined else None
         # the critical batch size: per-micro-batch gradient norms vs the reduced one
         # (one micro-batch per optimizer step has nothing to compare: no hooks then)
@@ -134,7 +116,6 @@ class Trainer:
         self.sink: Optional[MetricSink] = None
         self.flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
         self.peak, self.peak_source = peak_tflops(cfg.metrics.peak_tflops, self.dtype, device)
-        self.clock = StepClock(device)
         self._stopping = False
         self._term = False
         self._nan_skips = 0
@@ -279,7 +260,7 @@ class Trainer:
         self.trace = Trace(enabled=self.cfg.debug.trace_pipeline)
         return PipelineExecutor(self.engine, self.model, self.mesh, self.layout.grad_accum,
                                 (t.micro_batch_size, tokens, width), self.dtype, self.device, schedule=p.schedule,
-                                trace=self.trace, counter=self.comm)
+                                trace=self.trace, counter=self.comm, clock=self.clock)
 
     def train_step(self) -> dict:
         set_lr(self.engine, get_lr(self.step, self.cfg.train))
@@ -322,7 +303,7 @@ class Trainer:
         expert = self.expert_load.update_bias(apply=not skipped)
         step_time = time.perf_counter() - t0  # after reduce_losses' host sync: the step's kernels are done
         return {"losses": losses, "times": times, "step_time": step_time, "expert": expert,
-                "comm": self.comm.reset(), "skipped": skipped}
+                "comm": self.comm.reset(self.clock), "skipped": skipped}
 
     def update_noise_scale(self, skipped: bool) -> None:
         """McCandlish's simple estimate from the mean squared micro-batch gradient
@@ -345,12 +326,14 @@ class Trainer:
         if self.trace.enabled:
             self.barrier()  # a common start, so the trace's stages line up (only when tracing)
         t0 = time.perf_counter()
-        self.trace.events.clear()
-        self.trace.start()
+        self.trace.start(self.clock)
         self.executor.poison = self._poisoned()
         res = self.executor.step(self.micro_batch)
-        times = StepTimes(forward=res.forward_s, backward=res.backward_s, pipeline_wait=res.wait_s)
-        return self.finish_step(res.losses, times, t0)
+        record = self.finish_step(res.losses, StepTimes(), t0)  # ends in a host sync: every mark is done now
+        times = record["times"]
+        times.forward, times.backward, times.pipeline_wait = (res.seconds(self.clock, k) for k in res.spans)
+        self.trace.resolve()
+        return record
 
     def write_pipeline_trace(self) -> None:
         """Gather the last step's events of one pipeline (data-parallel index 0) to rank 0."""

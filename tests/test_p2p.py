@@ -14,7 +14,7 @@ import torch
 from moe_trainer.parallel.p2p import Transfer, chunk_peers, comm_plan, needs, produces
 from moe_trainer.parallel.pipeline import SCHEDULES, forward_only, schedule_units
 
-from conftest import spawn_ranks
+from conftest import ROOT, spawn_ranks
 
 
 def batched_plan(schedule: str, s: int, p: int, m: int, v: int = 1) -> list[list[Transfer]]:
@@ -179,3 +179,51 @@ def test_gloo_wrapper_fails_the_crossing_order_and_passes_the_batched_one():
     assert "send #0 to rank 1" in bad[0][1] and "deadlock" in bad[0][1]
     good = spawn_ranks(_crossing_sends, 2, True)
     assert good == {0: ("ok", 1.0), 1: ("ok", 0.0)}
+
+
+class EventLikeClock:
+    """A StepClock stand-in that behaves like CUDA events: a mark cannot be read until the step's
+    host sync (`synced`); the host clock would have timed kernel launches instead of kernels."""
+
+    def __init__(self):
+        self.now, self.synced = 0.0, False
+
+    def mark(self):
+        self.now += 1.0
+        return self.now
+
+    def seconds(self, a, b) -> float:
+        assert self.synced, "a mark was read before the step's host sync"
+        return b - a
+
+
+def test_pipeline_times_are_marks_read_after_the_step_sync():
+    """The executor's forward/backward/wait spans, the trace and the point-to-point seconds are all
+    clock marks, read only once the step has synced (so on a GPU they time kernels, not launches)."""
+    from moe_trainer.parallel.comm import CommCounter
+    from moe_trainer.parallel.pipeline import StepResult, Trace
+    clock, counter = EventLikeClock(), CommCounter()
+    trace, res = Trace(enabled=True), StepResult(losses={})
+    trace.start(clock)  # origin mark 1
+    for kind in ("forward", "backward"):
+        t0, t1 = clock.mark(), clock.mark()
+        trace.record(kind, 0, t0, t1)
+        res.spans[kind].append((t0, t1))
+    t0, t1 = clock.mark(), clock.mark()
+    counter.add_span("pp_send", t0, t1)
+    counter.add(kind="pp_send", sent=8, received=0)
+    with pytest.raises(AssertionError, match="before the step's host sync"):
+        counter.reset(clock)
+    clock.synced = True
+    assert counter.reset(clock)["seconds"] == {"pp_send": 1.0}
+    assert res.seconds(clock, "forward") == res.seconds(clock, "backward") == 1.0 and res.seconds(clock, "wait") == 0
+    trace.resolve()
+    assert [(e["kind"], e["start"], e["end"]) for e in trace.events] == [("forward", 1.0, 2.0), ("backward", 3.0, 4.0)]
+    trace.start(clock)  # the next step starts from no events
+    assert trace.events == [] and trace.marks == []
+
+
+def test_pipeline_code_reads_no_host_clock():
+    """The pipeline executor and its transfers time through StepClock only."""
+    for name in ("pipeline.py", "p2p.py"):
+        assert "perf_counter" not in (ROOT / "moe_trainer" / "parallel" / name).read_text(), name

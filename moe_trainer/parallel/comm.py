@@ -18,21 +18,32 @@ from ..kernels.cpu.shm_alltoall import RING_BYTES, ShmAllToAll
 class CommCounter:
     """Bytes this rank sent and received per kind of collective since reset(), and the
     wall seconds spent inside those collectives (`seconds`, per kind; blocking calls,
-    so it includes waiting for the slowest peer)."""
+    so it includes waiting for the slowest peer). Transfers that do not block the host on a GPU
+    (the pipeline's point-to-point) add spans of StepClock marks instead, read by reset(clock)
+    after the step's host sync."""
 
     def __init__(self):
         self.sent: dict[str, int] = defaultdict(int)
         self.received: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
+        self.spans: list = []  # (kind, start mark, end mark)
 
     def add_time(self, kind: str, seconds: float) -> None:
         self.seconds[kind] += seconds
+
+    def add_span(self, kind: str, start, end) -> None:
+        self.spans.append((kind, start, end))
 
     def add(self, kind: str, sent: int, received: int) -> None:
         self.sent[kind] += sent
         self.received[kind] += received
 
-    def reset(self) -> dict:
+    def reset(self, clock=None) -> dict:
+        """What was counted since the last reset; `clock` (a StepClock) reads the spans' marks, which
+        must be complete (after a host sync)."""
+        for kind, start, end in self.spans:
+            self.seconds[kind] += clock.seconds(start, end)
+        self.spans.clear()
         out = {"sent": dict(self.sent), "received": dict(self.received), "seconds": dict(self.seconds)}
         self.sent.clear()
         self.received.clear()

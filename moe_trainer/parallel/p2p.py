@@ -23,12 +23,13 @@ or a stage would wait in the collective for a stage that waits for its send.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from ..metrics import StepClock
 
 Op = tuple[str, int, int]  # ("F" | "B", micro-batch index, chunk index on this rank)
 Peers = list[tuple[Optional[int], Optional[int]]]  # per chunk: (previous, next) global rank or None
@@ -113,17 +114,18 @@ class PeerExchange:
     orders the compute stream after the transfers (no host sync); on gloo it blocks the host."""
 
     def __init__(self, shape: tuple, dtype: torch.dtype, device: torch.device, counter=None,
-                 record: Optional[Callable[[str, int, float, float], None]] = None):
+                 record: Optional[Callable] = None, clock=None):
         self.shape, self.dtype, self.device = shape, dtype, device
         self.counter = counter  # a CommCounter: bytes of every send ("pp_send") and receive ("pp_recv")
-        self.record = record  # trace hook: (kind, micro, t0, t1) per transfer
+        self.record = record  # trace hook: (kind, micro, start mark, end mark, chunk) per transfer
+        self.clock = clock or StepClock(device)  # marks: CUDA events on a GPU, read after the step's sync
 
     def run(self, batch: list[Transfer], outgoing: dict) -> dict:
         """Sends outgoing[transfer.key] for each send of the batch; returns {transfer.key: tensor}
         of its receives (keys: (kind, micro, chunk), the chunk being this rank's)."""
         if not batch:
             return {}
-        t0 = time.perf_counter()
+        t0 = self.clock.mark()
         p2p, received = [], {}
         for tr in batch:
             if tr.send:
@@ -135,7 +137,7 @@ class PeerExchange:
                 p2p.append(dist.P2POp(dist.irecv, t, tr.peer))
         for work in dist.batch_isend_irecv(p2p):
             work.wait()
-        t1 = time.perf_counter()
+        t1 = self.clock.mark()
         nbytes = p2p[0].tensor.numel() * p2p[0].tensor.element_size()
         for tr in batch:
             direction = "send" if tr.send else "recv"
@@ -143,5 +145,5 @@ class PeerExchange:
                 self.record(f"{direction}_{'fwd' if tr.kind == 'act' else 'bwd'}", tr.micro, t0, t1, tr.chunk)
             if self.counter is not None:
                 self.counter.add(f"pp_{direction}", nbytes if tr.send else 0, 0 if tr.send else nbytes)
-                self.counter.add_time(f"pp_{direction}", t1 - t0)
+                self.counter.add_span(f"pp_{direction}", t0, t1)
         return received

@@ -20,7 +20,6 @@ embedding on the first stage: no weight is duplicated across stages).
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
+from ..metrics import StepClock
 from ..models.lm import LMOutput, add_aux
 from .p2p import PeerExchange, chunk_peers, comm_plan
 
@@ -280,19 +280,32 @@ def build_stage(model: nn.Module, cfg, stage: int, seq_len: int) -> PipelineStag
 
 @dataclass
 class Trace:
-    """Start/end times of this rank's forward, backward, send and receive events."""
+    """Start/end times of this rank's forward, backward, send and receive events in the last step.
+    They are taken as StepClock marks (CUDA events on a GPU) and turned into seconds since the
+    step's start by resolve(), once the step's host sync has passed."""
 
     events: list = field(default_factory=list)
-    origin: float = 0.0
     enabled: bool = False
+    clock: StepClock = field(default_factory=StepClock)
+    origin: object = None
+    marks: list = field(default_factory=list)  # (kind, micro, chunk, start mark, end mark)
 
-    def start(self) -> None:
-        self.origin = time.perf_counter()
-
-    def record(self, kind: str, micro: int, t0: float, t1: float, chunk: int = 0) -> None:
+    def start(self, clock: StepClock) -> None:
+        self.events.clear()
+        self.clock = clock
         if self.enabled:
-            self.events.append({"kind": kind, "micro": micro, "chunk": chunk, "start": t0 - self.origin,
-                                "end": t1 - self.origin})
+            self.origin = clock.mark()
+
+    def record(self, kind: str, micro: int, t0, t1, chunk: int = 0) -> None:
+        if self.enabled:
+            self.marks.append((kind, micro, chunk, t0, t1))
+
+    def resolve(self) -> None:
+        """The recorded marks as events (call after the step's host sync)."""
+        seconds = self.clock.seconds
+        self.events += [{"kind": kind, "micro": micro, "chunk": chunk, "start": seconds(self.origin, t0),
+                         "end": seconds(self.origin, t1)} for kind, micro, chunk, t0, t1 in self.marks]
+        self.marks.clear()
 
 
 class ActivationMeter:
@@ -337,9 +350,12 @@ class _Saved:
 @dataclass
 class StepResult:
     losses: dict  # summed over micro-batches on this stage (detached)
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    wait_s: float = 0.0  # blocked in receives
+    # StepClock mark pairs of this stage's forwards, backwards and waits for receives (on a GPU: the
+    # compute stream waiting for the transfers), read once the step's host sync has passed
+    spans: dict = field(default_factory=lambda: {"forward": [], "backward": [], "wait": []})
+
+    def seconds(self, clock: StepClock, kind: str) -> float:
+        return sum(clock.seconds(a, b) for a, b in self.spans[kind])
 
 
 class PipelineExecutor:
@@ -349,8 +365,9 @@ class PipelineExecutor:
 
     def __init__(self, engine, stage: PipelineStage, mesh, micro_batches: int, carried_shape: tuple,
                  dtype: torch.dtype, device: torch.device, schedule: str = "1f1b", trace: Optional[Trace] = None,
-                 meter: Optional[ActivationMeter] = None, counter=None):
+                 meter: Optional[ActivationMeter] = None, counter=None, clock: Optional[StepClock] = None):
         self.engine, self.stage, self.mesh = engine, stage, mesh
+        self.clock = clock or StepClock(device)
         self.m = micro_batches
         self.v = len(stage.chunks)
         pp, s = mesh.layout.pp, mesh.coord["pp"]
@@ -361,7 +378,7 @@ class PipelineExecutor:
         self.peers = chunk_peers(s, pp, self.v, mesh.members["pp"])
         self.trace = trace or Trace()
         self.meter = meter
-        self.exchange = PeerExchange(carried_shape, dtype, device, counter, self.trace.record)
+        self.exchange = PeerExchange(carried_shape, dtype, device, counter, self.trace.record, self.clock)
         self.poison = False  # fault drill: make this step's loss NaN on the last stage
 
     def _run(self, units: list, run_op: Callable, res: Optional[StepResult] = None) -> None:
@@ -369,10 +386,10 @@ class PipelineExecutor:
         {(kind, micro, chunk): tensor} to send."""
         received, outgoing = {}, {}
         for batch, op in comm_plan(units, self.peers):
-            t = time.perf_counter()
+            t = self.clock.mark()
             received.update(self.exchange.run(batch, outgoing))
             if res is not None and any(not tr.send for tr in batch):
-                res.wait_s += time.perf_counter() - t
+                res.spans["wait"].append((t, self.clock.mark()))
             if op is not None:
                 outgoing.update(run_op(op, received))
 
@@ -405,13 +422,13 @@ class PipelineExecutor:
         last = self.stage.is_last(c)
         if carried is not None:
             carried.requires_grad_()
-        t0 = time.perf_counter()
+        t0 = self.clock.mark()
         ctx = self.meter.hooks() if self.meter else contextlib.nullcontext()
         with ctx:
             out, aux = self.engine(carried, inputs, labels if last else None, positions, chunk=c)
-        t1 = time.perf_counter()
+        t1 = self.clock.mark()
         self.trace.record("forward", i, t0, t1, c)
-        res.forward_s += t1 - t0
+        res.spans["forward"].append((t0, t1))
         if last:
             loss = out.loss * float("nan") if self.poison else out.loss
             for k, v in out.losses.items():
@@ -425,7 +442,7 @@ class PipelineExecutor:
 
     def _backward(self, i, c, grad, saved, res) -> dict:
         carried, out, aux = saved.pop((i, c))
-        t0 = time.perf_counter()
+        t0 = self.clock.mark()
         if self.stage.is_last(c):
             self.engine.backward(out)
         else:
@@ -435,9 +452,9 @@ class PipelineExecutor:
             if aux is not None:
                 surrogate = surrogate + aux / self.m
             self.engine.backward(surrogate, scale_wrt_gas=False)
-        t1 = time.perf_counter()
+        t1 = self.clock.mark()
         self.trace.record("backward", i, t0, t1, c)
-        res.backward_s += t1 - t0
+        res.spans["backward"].append((t0, t1))
         return {} if self.stage.is_first(c) else {("grad", i, c): carried.grad}
 
     @torch.no_grad()
