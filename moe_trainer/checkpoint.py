@@ -425,17 +425,16 @@ def full_model_names(model_cfg) -> set:
     return set(full_model_shapes(model_cfg))
 
 
-def _local_tensors(trainer) -> dict[str, torch.Tensor]:
-    module = trainer.engine.module
+def _local_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = dict(module.named_parameters())
     out.update({n: b for n, b in module.named_buffers() if n.endswith(BIAS)})
     return out
 
 
-def _boxes(trainer) -> dict:
+def _boxes(module: torch.nn.Module) -> dict:
     """{key: (offsets, sizes)} of every tensor this rank reads (weights, and moments of parameters)."""
     boxes = {}
-    for name, t in _local_tensors(trainer).items():
+    for name, t in _local_tensors(module).items():
         shape, offsets = global_view(t)
         boxes[name] = (offsets, tuple(t.shape))
         if isinstance(t, torch.nn.Parameter):
@@ -443,15 +442,16 @@ def _boxes(trainer) -> dict:
     return boxes
 
 
-def files_to_read(path: Path, trainer) -> set:
-    """The part files this rank reads (its checksums are checked by this rank): those holding a
-    piece of its blocks, and its own RNG state. An unreadable part counts as read (and fails)."""
+def files_to_read(path: Path, module: torch.nn.Module, rank: int) -> set:
+    """The part files rank `rank` reads (their checksums are checked by this rank): those holding a
+    piece of the blocks of its `module` (built and sharded; its weights need not be set yet), and
+    its own RNG state. An unreadable part counts as read (and fails)."""
     try:
         index = Index(path)
     except CheckpointError:
         files, _ = _manifest_files(path)
         return set(files or ())
-    return index.files_for(_boxes(trainer)) | ({part_name(trainer.mesh.rank)} & index.rng_files)
+    return index.files_for(_boxes(module)) | ({part_name(rank)} & index.rng_files)
 
 
 def load(path: Path, trainer) -> int:
@@ -473,9 +473,9 @@ def load(path: Path, trainer) -> int:
             raise CheckpointError(f"checkpoint {path} has {name} of shape {index.shape(name)}, which does not fit "
                                   f"this model's {shape}.")
     link_optimizer_state(trainer.engine)
-    boxes = _boxes(trainer)
+    boxes = _boxes(trainer.engine.module)
     with torch.no_grad():
-        for name, target in _local_tensors(trainer).items():
+        for name, target in _local_tensors(trainer.engine.module).items():
             value = index.block(name, *boxes[name]).to(target.device)
             target.copy_(value.to(target.dtype))
             if isinstance(target, torch.nn.Parameter) and hasattr(target, "_hp_mapping"):
