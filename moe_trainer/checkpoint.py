@@ -332,6 +332,13 @@ class Index:
     def shape(self, key: str) -> tuple:
         return self.pieces[key][0].shape
 
+    def check_fits(self, expected: dict, error=None) -> None:
+        """Its weights are those of the model `expected` describes (name -> shape), else one sentence
+        (`error`, CheckpointError by default): hf.check_keys_and_shapes, every weights source's check."""
+        from .hf import check_keys_and_shapes
+        check_keys_and_shapes({n: self.shape(n) for n in self.names()}, expected, f"checkpoint {self.path}",
+                              error=error or CheckpointError)
+
     def files_for(self, boxes: dict) -> set:
         """Part files holding a piece of any of `boxes` ({key: (offsets, sizes)})."""
         out = set()
@@ -463,15 +470,7 @@ def load(path: Path, trainer) -> int:
         raise CheckpointError(f"checkpoint {path} holds a {state.get('arch')} model, but model.arch is "
                               f"{trainer.cfg.model.arch}.")
     index = Index(path)
-    full = full_model_shapes(trainer.cfg.model)  # a rank holds only some of them
-    missing, unexpected = sorted(set(full) - index.names()), sorted(index.names() - set(full))
-    if missing or unexpected:
-        raise CheckpointError(f"checkpoint {path} does not fit this model: missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]}.")
-    for name, shape in full.items():
-        if index.shape(name) != shape:
-            raise CheckpointError(f"checkpoint {path} has {name} of shape {index.shape(name)}, which does not fit "
-                                  f"this model's {shape}.")
+    index.check_fits(full_model_shapes(trainer.cfg.model))  # the whole model's: a rank holds only some of it
     link_optimizer_state(trainer.engine)
     boxes = _boxes(trainer.engine.module)
     with torch.no_grad():
