@@ -141,13 +141,16 @@ def plan_run(args, rank: int):
     given = given_keys(args.config, args.overrides)
     start = None
     try:  # the config as the command gives it, enough to find the checkpoint
-        start = plan_start(load_config(args.config, args.overrides, check_data=True), given, warn=rank == 0)
+        cfg = load_config(args.config, args.overrides, check_data=True)
+        start = plan_start(cfg, given, warn=rank == 0)
     except ConfigError:
         pass  # e.g. a model section that only the init_from directory's config.json completes: decided below
     if start is None or start.checkpoint is None:
         cfg = load_config(args.config, args.overrides, check_data=True, read_init_from=True)
         start = plan_start(cfg, given, warn=start is None and rank == 0)
-    start.resume = start.cfg.train.resume  # the command's (PER_JOB): Trainer.find_checkpoint verifies by it
+    # the command's, not start.cfg's (a merge keeps the saved value where the command says auto):
+    # Trainer.find_checkpoint verifies by it
+    start.resume = cfg.train.resume
     return start
 
 
