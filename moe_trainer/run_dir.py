@@ -84,7 +84,7 @@ def plan_start(cfg: Config, given: Optional[set] = None, warn: bool = True) -> S
     resume would change what is trained."""
     from .checkpoint import find_resume
     out = Path(cfg.run.out_dir)
-    # the manifest and file sizes only: the ranks check the checksums of what each reads (Trainer.maybe_resume)
+    # the manifest and file sizes only: the ranks check the checksums of what each reads (Trainer.find_checkpoint)
     checkpoint = find_resume(out, cfg.train.resume, warn=warn, files_read=lambda path: ())
     saved_file = out / "config.yaml"
     if not saved_file.is_file():
