@@ -133,10 +133,11 @@ def report_error(message: str, rank: int, world: int, same_on_every_rank: bool) 
 
 def plan_run(args, rank: int):
     """This start (run_dir.Start): the config to run with, and the checkpoint it resumes. The data must
-    be there. The run directory's config.yaml decides a resume (every rank reads it alike); only a start
-    that resumes nothing reads train.init_from, whose Hugging Face directory then gives the model
-    section: a resume takes its model from config.yaml and its weights from the checkpoint, so the
-    directory may be gone by then."""
+    be there. The run directory's config.yaml decides a resume (every rank reads it alike). A resume
+    that continues that config.yaml takes its model from it and its weights from the checkpoint, so it
+    never reads train.init_from (the directory may be gone by then); any other start checks it, and a
+    Hugging Face directory's config.json gives the model section (the Trainer reads its weights only
+    if no checkpoint is resumed)."""
     from .run_dir import plan_start
     given = given_keys(args.config, args.overrides)
     start = None
@@ -145,7 +146,7 @@ def plan_run(args, rank: int):
         start = plan_start(cfg, given, warn=rank == 0)
     except ConfigError:
         pass  # e.g. a model section that only the init_from directory's config.json completes: decided below
-    if start is None or start.checkpoint is None:
+    if start is None or not start.from_saved:
         cfg = load_config(args.config, args.overrides, check_data=True, read_init_from=True)
         start = plan_start(cfg, given, warn=start is None and rank == 0)
     # the command's, not start.cfg's (a merge keeps the saved value where the command says auto):
