@@ -212,8 +212,8 @@ def banner(trainer, start: Start) -> str:
     splits, tok = index["splits"], index.get("tokenizer", {})
     eos = tok.get("eos_token") or BYTE_SPECIALS.get(tok.get("eos_id"), tok.get("eos_id"))  # older indexes: an id
     data = cfg.data.path or "the default corpus (standard-library .py files as bytes)"
-    if start.checkpoint is not None:
-        source = f"resumed from {start.checkpoint} at step {trainer.step}"
+    if trainer.resume_from is not None:  # start.checkpoint unless the ranks' checksums refused it
+        source = f"resumed from {trainer.resume_from} at step {trainer.step}"
     elif t.init_from:
         source = f"weights from {t.init_from} (train.init_from), step 0"
     else:
