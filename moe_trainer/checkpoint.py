@@ -332,6 +332,13 @@ class Index:
     def shape(self, key: str) -> tuple:
         return self.pieces[key][0].shape
 
+    def check_fits(self, expected: dict, error=None) -> None:
+        """Its weights are those of the model `expected` describes (name -> shape), else one sentence
+        (`error`, CheckpointError by default): hf.check_keys_and_shapes, every weights source's check."""
+        from .hf import check_keys_and_shapes
+        check_keys_and_shapes({n: self.shape(n) for n in self.names()}, expected, f"checkpoint {self.path}",
+                              error=error or CheckpointError)
+
     def files_for(self, boxes: dict) -> set:
         """Part files holding a piece of any of `boxes` ({key: (offsets, sizes)})."""
         out = set()
@@ -362,19 +369,79 @@ class Index:
         offsets = tuple(offsets) if offsets is not None else (0,) * len(shape)
         sizes = tuple(sizes) if sizes is not None else shape
         out = torch.empty(sizes)
-        written = torch.zeros(sizes, dtype=torch.bool)
-        for piece in self.pieces[key]:
-            if piece.overlaps(offsets, sizes):
-                _place(piece, self._read(piece), out, written, offsets)
-        if not bool(written.all()):
+        pieces = [p for p in self.pieces[key] if p.overlaps(offsets, sizes)]
+        copied = sum(_place(p, self._read(p), out, offsets) for p in pieces)
+        # pieces are disjoint, so count == size means covered; else (overlapping writers) ask the mask
+        if copied != out.numel() and not _covered(pieces, offsets, sizes):
             raise CheckpointError(f"checkpoint {self.path} lacks part of {key} (a part file is missing its piece).")
         return out
 
 
-def _place(piece: Piece, data: torch.Tensor, out: torch.Tensor, written: torch.Tensor, offsets: tuple) -> None:
-    """Copy the elements of a flat fragment into the target block `out` (at global `offsets`).
+def _place(piece: Piece, data: torch.Tensor, out: torch.Tensor, offsets: tuple) -> int:
+    """Copy what a flat fragment holds of the target block `out` (at global `offsets`); returns the
+    number of elements copied. The fragment is the range [flat, flat + numel) of the writer's block
+    in row-major order: at most 2 x ndim + 1 boxes (a part row at each end, per dimension, and the
+    whole rows between), each found by arithmetic and copied as one strided slice, so the cost is
+    that of the bytes copied. _place_reference is the simple version (tests/test_checkpoint_reshard.py)."""
+    return _copy_range(data.reshape(-1), piece.flat, piece.flat + piece.numel, piece.offsets, piece.sizes, out,
+                       offsets, 0)
+
+
+def _copy_range(src: torch.Tensor, lo: int, hi: int, origin: tuple, shape: tuple, out: torch.Tensor,
+                offsets: tuple, dim: int) -> int:
+    """Elements [lo, hi) (row-major) of the box `shape` at global `origin`, whose dimensions before
+    `dim` have size 1, into `out`; src[i] is element lo + i."""
+    row = math.prod(shape[dim + 1:])  # elements per index of dimension `dim`
+    if dim == len(shape) or (lo == 0 and hi == math.prod(shape)):
+        return _copy_box(src, origin, shape, out, offsets)
+    first, last = -(-lo // row), hi // row  # the whole rows [first, last)
+
+    def part_row(r: int, a: int, b: int, at: int) -> int:  # elements [a, b) of row r, from src[at:]
+        return _copy_range(src[at:at + b - a], a, b, _at(origin, dim, origin[dim] + r), _at(shape, dim, 1),
+                           out, offsets, dim + 1)
+
+    if first > last:  # inside one row
+        r = lo // row
+        return part_row(r, lo - r * row, hi - r * row, 0)
+    n = part_row(first - 1, lo - (first - 1) * row, row, 0) if lo < first * row else 0
+    if first < last:
+        n += _copy_box(src[first * row - lo:last * row - lo], _at(origin, dim, origin[dim] + first),
+                       _at(shape, dim, last - first), out, offsets)
+    if last * row < hi:
+        n += part_row(last, 0, hi - last * row, last * row - lo)
+    return n
+
+
+def _at(t: tuple, i: int, v: int) -> tuple:
+    return t[:i] + (v,) + t[i + 1:]
+
+
+def _copy_box(src: torch.Tensor, origin: tuple, shape: tuple, out: torch.Tensor, offsets: tuple) -> int:
+    """The whole box `shape` at global `origin` (src, flat, row-major) where it meets `out`."""
+    box, dst = src.view(shape), out
+    for d in range(len(shape)):
+        a, b = max(origin[d], offsets[d]), min(origin[d] + shape[d], offsets[d] + out.shape[d])
+        if a >= b:
+            return 0
+        box, dst = box.narrow(d, a - origin[d], b - a), dst.narrow(d, a - offsets[d], b - a)
+    dst.copy_(box)
+    return dst.numel()
+
+
+def _covered(pieces: list, offsets: tuple, sizes: tuple) -> bool:
+    """Does the union of the pieces cover the block? With a mask (_place_reference)."""
+    out, written = torch.empty(sizes), torch.zeros(sizes, dtype=torch.bool)
+    for piece in pieces:
+        _place_reference(piece, torch.zeros(piece.numel), out, written, offsets)
+    return bool(written.all())
+
+
+def _place_reference(piece: Piece, data: torch.Tensor, out: torch.Tensor, written: torch.Tensor,
+                     offsets: tuple) -> None:
+    """_place's simple reference: copy the elements of a flat fragment into the target block `out`
+    (at global `offsets`) with a mask of the elements the fragment has, marking them in `written`.
     The fragment covers whole rows of the writer's block except perhaps its first and last; only
-    the rows the target also holds are rebuilt, with a mask of the elements the fragment has."""
+    the rows the target also holds are rebuilt."""
     row = math.prod(piece.sizes[1:])
     r0 = max(piece.flat // row, offsets[0] - piece.offsets[0])
     r1 = min(-(-(piece.flat + piece.numel) // row), offsets[0] + out.shape[0] - piece.offsets[0])
@@ -425,17 +492,16 @@ def full_model_names(model_cfg) -> set:
     return set(full_model_shapes(model_cfg))
 
 
-def _local_tensors(trainer) -> dict[str, torch.Tensor]:
-    module = trainer.engine.module
+def _local_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = dict(module.named_parameters())
     out.update({n: b for n, b in module.named_buffers() if n.endswith(BIAS)})
     return out
 
 
-def _boxes(trainer) -> dict:
+def _boxes(module: torch.nn.Module) -> dict:
     """{key: (offsets, sizes)} of every tensor this rank reads (weights, and moments of parameters)."""
     boxes = {}
-    for name, t in _local_tensors(trainer).items():
+    for name, t in _local_tensors(module).items():
         shape, offsets = global_view(t)
         boxes[name] = (offsets, tuple(t.shape))
         if isinstance(t, torch.nn.Parameter):
@@ -443,15 +509,16 @@ def _boxes(trainer) -> dict:
     return boxes
 
 
-def files_to_read(path: Path, trainer) -> set:
-    """The part files this rank reads (its checksums are checked by this rank): those holding a
-    piece of its blocks, and its own RNG state. An unreadable part counts as read (and fails)."""
+def files_to_read(path: Path, module: torch.nn.Module, rank: int) -> set:
+    """The part files rank `rank` reads (their checksums are checked by this rank): those holding a
+    piece of the blocks of its `module` (built and sharded; its weights need not be set yet), and
+    its own RNG state. An unreadable part counts as read (and fails)."""
     try:
         index = Index(path)
     except CheckpointError:
         files, _ = _manifest_files(path)
         return set(files or ())
-    return index.files_for(_boxes(trainer)) | ({part_name(trainer.mesh.rank)} & index.rng_files)
+    return index.files_for(_boxes(module)) | ({part_name(rank)} & index.rng_files)
 
 
 def load(path: Path, trainer) -> int:
@@ -463,19 +530,11 @@ def load(path: Path, trainer) -> int:
         raise CheckpointError(f"checkpoint {path} holds a {state.get('arch')} model, but model.arch is "
                               f"{trainer.cfg.model.arch}.")
     index = Index(path)
-    full = full_model_shapes(trainer.cfg.model)  # a rank holds only some of them
-    missing, unexpected = sorted(set(full) - index.names()), sorted(index.names() - set(full))
-    if missing or unexpected:
-        raise CheckpointError(f"checkpoint {path} does not fit this model: missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]}.")
-    for name, shape in full.items():
-        if index.shape(name) != shape:
-            raise CheckpointError(f"checkpoint {path} has {name} of shape {index.shape(name)}, which does not fit "
-                                  f"this model's {shape}.")
+    index.check_fits(full_model_shapes(trainer.cfg.model))  # the whole model's: a rank holds only some of it
     link_optimizer_state(trainer.engine)
-    boxes = _boxes(trainer)
+    boxes = _boxes(trainer.engine.module)
     with torch.no_grad():
-        for name, target in _local_tensors(trainer).items():
+        for name, target in _local_tensors(trainer.engine.module).items():
             value = index.block(name, *boxes[name]).to(target.device)
             target.copy_(value.to(target.dtype))
             if isinstance(target, torch.nn.Parameter) and hasattr(target, "_hp_mapping"):

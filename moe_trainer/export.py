@@ -137,14 +137,7 @@ def export_weights(cfg: ModelConfig, weights, out_dir, **kwargs) -> Path:
             index = Index(weights)
         except CheckpointError as e:
             raise HFFormatError(str(e)) from None
-        missing, unexpected = sorted(set(shapes) - index.names()), sorted(index.names() - set(shapes))
-        if missing or unexpected:
-            raise HFFormatError(f"checkpoint {weights} does not fit the config: missing {missing[:3]}, "
-                                f"unexpected {unexpected[:3]}.")
-        bad = [n for n in shapes if index.shape(n) != shapes[n]]
-        if bad:
-            raise HFFormatError(f"checkpoint {weights} has {bad[0]} of shape {index.shape(bad[0])}, but the config "
-                                f"implies {shapes[bad[0]]}.")
+        index.check_fits(shapes, HFFormatError)
         read = index.block
     elif weights.is_file():
         naming = init_from._Naming(init_from.Source([weights]), cfg, hf=False)

@@ -5,7 +5,7 @@ block-scaled or not, experts per expert or stacked), a safetensors file of our n
 run checkpoint (checkpoints/step_N). Every tensor is read through `safe_open(...).get_slice`
 for the block the rank holds (its experts' rows, its TP shard), so no rank ever holds a whole
 tensor it does not keep, let alone the model. The key set and every global shape are checked
-from the files' headers first, with the messages of hf.load_checked.
+from the files' headers first, with hf.check_keys_and_shapes, as hf.load_checked does.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .config import ModelConfig
-from .hf import (_EXPERT_KEY, _IGNORED, HFFormatError, _checkpoint_files, _listing, hf_to_our_name, our_to_hf_name,
-                 read_config)
+from .hf import (_EXPERT_KEY, _IGNORED, HFFormatError, _checkpoint_files, _listing, check_keys_and_shapes,
+                 hf_to_our_name, our_to_hf_name, read_config)
 from .models.init import global_view, is_expert_param
 
 BIAS = "e_score_correction_bias"
@@ -153,23 +153,9 @@ class _Naming:
 
 
 def _check(naming: _Naming, cfg: ModelConfig, source_name: str, optional_prefix: Optional[str]) -> None:
-    expected = _expected_shapes(cfg)
-    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    if optional_prefix:
-        optional |= {k for k in expected if k.startswith(optional_prefix)}
-    have = naming.shapes
-    name_of = naming._hf_name
-    missing = sorted(name_of(k) for k in expected.keys() - have.keys() - optional)
-    unexpected = sorted(name_of(k) for k in have.keys() - expected.keys())
-    if missing:
-        raise HFFormatError(f"{source_name} is missing {len(missing)} key(s) the config needs: {_listing(missing)}.")
-    if unexpected:
-        raise HFFormatError(f"{source_name} has {len(unexpected)} key(s) the config does not have: "
-                            f"{_listing(unexpected)}.")
-    for key, shape in have.items():
-        if tuple(shape) != tuple(expected[key]):
-            raise HFFormatError(f"{source_name}: {name_of(key)} has shape {tuple(shape)} but the config implies "
-                                f"{tuple(expected[key])}.")
+    """The source's key set and shapes from its headers (hf.check_keys_and_shapes), named its own way."""
+    check_keys_and_shapes(naming.shapes, _expected_shapes(cfg), source_name, naming._hf_name, cfg.tie_word_embeddings,
+                          optional_prefix)
 
 
 @torch.no_grad()
@@ -217,15 +203,7 @@ def load_run_checkpoint(model: torch.nn.Module, cfg: ModelConfig, path: Path) ->
     problem = verify(path, read=index.files_for(boxes))
     if problem:
         raise HFFormatError(f"train.init_from {path}: {problem}.")
-    expected = _expected_shapes(cfg)
-    missing, unexpected = sorted(set(expected) - index.names()), sorted(index.names() - set(expected))
-    if missing or unexpected:
-        raise HFFormatError(f"checkpoint {path} does not fit this model: missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]}.")
-    for name, shape in expected.items():
-        if index.shape(name) != shape:
-            raise HFFormatError(f"checkpoint {path} has {name} of shape {index.shape(name)}, but the config "
-                                f"implies {shape}.")
+    index.check_fits(_expected_shapes(cfg), HFFormatError)
     _copy_blocks(model, lambda name, offsets, sizes: index.block(name, offsets, sizes))
 
 

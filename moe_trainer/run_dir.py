@@ -84,7 +84,7 @@ def plan_start(cfg: Config, given: Optional[set] = None, warn: bool = True) -> S
     resume would change what is trained."""
     from .checkpoint import find_resume
     out = Path(cfg.run.out_dir)
-    # the manifest and file sizes only: the ranks check the checksums of what each reads (Trainer.maybe_resume)
+    # the manifest and file sizes only: the ranks check the checksums of what each reads (Trainer.find_checkpoint)
     checkpoint = find_resume(out, cfg.train.resume, warn=warn, files_read=lambda path: ())
     saved_file = out / "config.yaml"
     if not saved_file.is_file():
@@ -212,8 +212,8 @@ def banner(trainer, start: Start) -> str:
     splits, tok = index["splits"], index.get("tokenizer", {})
     eos = tok.get("eos_token") or BYTE_SPECIALS.get(tok.get("eos_id"), tok.get("eos_id"))  # older indexes: an id
     data = cfg.data.path or "the default corpus (standard-library .py files as bytes)"
-    if start.checkpoint is not None:
-        source = f"resumed from {start.checkpoint} at step {trainer.step}"
+    if trainer.resume_from is not None:  # start.checkpoint unless the ranks' checksums refused it
+        source = f"resumed from {trainer.resume_from} at step {trainer.step}"
     elif t.init_from:
         source = f"weights from {t.init_from} (train.init_from), step 0"
     else:

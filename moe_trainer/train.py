@@ -131,18 +131,37 @@ def report_error(message: str, rank: int, world: int, same_on_every_rank: bool) 
     print(message if rank == 0 else f"{message} (rank {rank})", file=sys.stderr, flush=True)
 
 
+def plan_run(args, rank: int):
+    """This start (run_dir.Start): the config to run with, and the checkpoint it resumes. The data must
+    be there. The run directory's config.yaml decides a resume (every rank reads it alike). A resume
+    that continues that config.yaml takes its model from it and its weights from the checkpoint, so it
+    never reads train.init_from (the directory may be gone by then); any other start checks it, and a
+    Hugging Face directory's config.json gives the model section (the Trainer reads its weights only
+    if no checkpoint is resumed)."""
+    from .run_dir import plan_start
+    given = given_keys(args.config, args.overrides)
+    start = None
+    try:  # the config as the command gives it, enough to find the checkpoint
+        cfg = load_config(args.config, args.overrides, check_data=True)
+        start = plan_start(cfg, given, warn=rank == 0)
+    except ConfigError:
+        pass  # e.g. a model section that only the init_from directory's config.json completes: decided below
+    if start is None or not start.from_saved:
+        cfg = load_config(args.config, args.overrides, check_data=True, read_init_from=True)
+        start = plan_start(cfg, given, warn=start is None and rank == 0)
+    # the command's, not start.cfg's (a merge keeps the saved value where the command says auto):
+    # Trainer.find_checkpoint verifies by it
+    start.resume = cfg.train.resume
+    return start
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        # a training run: its data is there, and a Hugging Face train.init_from gives the model section
-        cfg = load_config(args.config, args.overrides, check_data=True, read_init_from=True)
+        start = plan_run(args, rank)
         _single_process_env()
-        from .run_dir import plan_start
-        # the run directory's config.yaml decides a resume: every rank reads it alike
-        start = plan_start(cfg, given_keys(args.config, args.overrides), warn=rank == 0)
-        start.resume = cfg.train.resume  # the command's: Trainer.maybe_resume verifies by it
         cfg = start.cfg
         layout = validate_layout(cfg, world)
     except ConfigError as e:

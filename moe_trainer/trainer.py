@@ -73,7 +73,7 @@ class StepTimes:
 class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, device: torch.device, start: Optional[run_dir.Start] = None):
         """`start`: what moe_trainer.train decided before the process group (the checkpoint to
-        resume, the config's changes); None decides it in train(), counting every key as given."""
+        resume, the config's changes); None decides it here (find_checkpoint), counting every key as given."""
         self.cfg, self.mesh, self.device, self.start = cfg, mesh, device, start
         self.layout: Layout = mesh.layout
         self.is_logger = mesh.rank == 0
@@ -93,7 +93,11 @@ class Trainer:
         if self.pipelined:
             self.model = build_stage(self.model, cfg, mesh.coord["pp"], t.seq_len)
         materialize(self.model, cfg.run.seed, cfg.model.initializer_range)
-        if t.init_from:  # a resumed checkpoint, if any, replaces these weights later
+        # decided once, before any weights are read: a resume never reads train.init_from (at 671B a
+        # whole Hugging Face checkpoint, which may be gone by then); init_from is read when no
+        # checkpoint is usable, auto-resume's fallback past damaged ones included
+        self.resume_from = self.find_checkpoint()
+        if t.init_from and self.resume_from is None:
             load_initial_weights(self.model, t.init_from)
         self.engine = build_engine(self.model, cfg, self.layout, mpu=DeepSpeedMPU(mesh))
         if shm:
@@ -135,12 +139,25 @@ class Trainer:
                 enable_shm_transport(self.mesh.group(kind), ring_bytes=ring, timeout_s=t)
         enable_shm_transport(None, ring_bytes=SMALL_RING_BYTES, timeout_s=t)
 
-    def prepare_run_dir(self) -> None:
-        """Decide the start if moe_trainer.train did not; rank 0 records it (config_history.jsonl,
-        config.yaml, the tokenizer, the MFU peak) and says what it decided."""
+    def find_checkpoint(self) -> Optional[Path]:
+        """The checkpoint this start resumes, or None. Decides the start if moe_trainer.train did not
+        (plan_start chose a checkpoint from its manifest and sizes); each rank then checks the
+        checksums of the files its model's blocks are read from, and all agree: a damaged one is
+        refused, and train.resume=auto falls back to an older one or to none. Collective."""
         if self.start is None:
             self.start = run_dir.plan_start(self.cfg, None, warn=self.is_logger)
             self.start.resume = self.cfg.train.resume
+        if self.start.checkpoint is None:
+            return None
+        resume = "auto" if self.start.resume == "auto" else str(self.start.checkpoint)
+        return checkpoint.find_resume(self.out_dir, resume, warn=self.is_logger,
+                                      files_read=lambda path: checkpoint.files_to_read(path, self.model,
+                                                                                       self.mesh.rank),
+                                      any_rank=self.any_rank)
+
+    def prepare_run_dir(self) -> None:
+        """Rank 0 records the start (config_history.jsonl, config.yaml, the tokenizer, the MFU peak)
+        and says what it decided."""
         if self.is_logger:
             run_dir.print_lines(run_dir.describe(self.start))
             run_dir.record_start(self.start, self.layout.world, (self.peak, self.peak_source),
@@ -158,17 +175,11 @@ class Trainer:
             dist.barrier()
 
     def maybe_resume(self) -> None:
-        found = None
-        if self.start.checkpoint is not None:  # plan_start chose it from its manifest and sizes; each rank
-            # now checks the checksums of the files it reads, and all agree (a damaged one falls back)
-            resume = "auto" if self.start.resume == "auto" else str(self.start.checkpoint)
-            found = checkpoint.find_resume(self.out_dir, resume, warn=self.is_logger,
-                                           files_read=lambda path: checkpoint.files_to_read(path, self),
-                                           any_rank=self.any_rank)
-        if found is not None:
-            self.step = checkpoint.load(found, self)
+        """Load the checkpoint find_checkpoint chose, if any."""
+        if self.resume_from is not None:
+            self.step = checkpoint.load(self.resume_from, self)
             if self.is_logger:
-                print(f"resumed from {found} at step {self.step}", flush=True)
+                print(f"resumed from {self.resume_from} at step {self.step}", flush=True)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:

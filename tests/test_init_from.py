@@ -8,7 +8,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from moe_trainer.data import open_data
 from moe_trainer.hf import hf_config_to_model_config
 
-from conftest import check, launch, train_losses
+from conftest import TINY, check, launch, train_losses
 
 
 def _hf_model(tmp_path):
@@ -56,3 +56,55 @@ def test_init_from_contradicting_the_config_is_one_sentence(tmp_path):
         f"config error: model.hidden_size is 256, but the config.json of train.init_from {tmp_path / 'hf'} gives 64; "
         f"leave model.hidden_size unset to take the directory's value.")
     assert not (tmp_path / "run").exists()
+
+
+def _weights_file(tmp_path):
+    """A safetensors file of our names for the tiny model of TINY, initialised from another seed."""
+    from safetensors.torch import save_file
+
+    from moe_trainer.checkpoint import BIAS
+    from moe_trainer.config import load_config
+    from moe_trainer.models.registry import build_model
+
+    model = build_model(load_config("configs/moe_tiny.yaml", TINY).model, seed=7)
+    tensors = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if n.endswith(BIAS)}
+    path = tmp_path / "weights.safetensors"
+    save_file({n: t.detach().contiguous() for n, t in tensors.items()}, str(path))
+    return path
+
+
+def test_a_resume_does_not_read_init_from_again(tmp_path):
+    """train.init_from is read by the start that resumes nothing (train.resume=auto in an empty
+    directory), never by a resume: the same command, re-run after the weights file is deleted,
+    resumes its checkpoint and continues the loss curve of an uninterrupted run."""
+    weights = _weights_file(tmp_path)
+    command = TINY + ["train.max_steps=4", "train.checkpoint_every=2", "train.resume=auto",
+                      f"train.init_from={weights}"]
+    straight = check(launch(1, tmp_path / "straight", command, launcher="python"))
+    assert f"start: weights from {weights}" in straight.stdout
+    check(launch(1, tmp_path / "run", command + ["train.stop_at_step=2"], launcher="python"))
+    weights.unlink()
+    resumed = check(launch(1, tmp_path / "run", command, launcher="python"))
+    assert "resumed from" in resumed.stdout and "step_2" in resumed.stdout
+    a, b = train_losses(tmp_path / "straight"), train_losses(tmp_path / "run")
+    assert sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert abs(a[step] - b[step]) <= 1e-6 * abs(a[step]), (step, a[step], b[step])
+
+
+def test_auto_resume_past_every_damaged_checkpoint_loads_init_from(tmp_path):
+    """The run's only checkpoint fails its checksum (found by the ranks, after plan_start picked it
+    by its manifest and sizes): train.resume=auto falls back to train.init_from, and the first loss
+    is again that of the weights file."""
+    weights = _weights_file(tmp_path)
+    command = TINY + ["train.max_steps=1", "train.resume=auto", f"train.init_from={weights}"]
+    check(launch(1, tmp_path / "run", command, launcher="python"))
+    first = train_losses(tmp_path / "run")[1]
+    part = tmp_path / "run" / "checkpoints" / "step_1" / "part-r00000.safetensors"
+    data = bytearray(part.read_bytes())
+    data[-10] ^= 0xFF
+    part.write_bytes(bytes(data))
+    again = check(launch(1, tmp_path / "run", command, launcher="python"))
+    assert "skipping checkpoint" in again.stderr and f"start: weights from {weights}" in again.stdout
+    assert "resumed from" not in again.stdout
+    assert abs(train_losses(tmp_path / "run")[1] - first) <= 1e-6 * abs(first)

@@ -25,7 +25,8 @@ Modules (each public name is re-exported here: `from moe_trainer.hf import ...` 
 - errors.py: HFFormatError, PathLike;
 - config_json.py: config.json <-> ModelConfig (hf_config_to_model_config, model_config_to_hf, read_config);
 - names.py: Hugging Face parameter names <-> ours (hf_to_our_name, our_to_hf_name);
-- read.py: a Hugging Face directory -> our model (from_hf, convert_hf_state_dict, load_checked);
+- read.py: a Hugging Face directory -> our model (from_hf, convert_hf_state_dict, load_checked,
+  check_keys_and_shapes: every weights source's key-and-shape check);
 - write.py: our model -> a Hugging Face directory (to_hf, hf_state_dict);
 - tokenizer.py: the tokenizer of an export (export_tokenizer, special_token_ids, tokenizer_size);
 - weights_file.py: our own weight files and model YAML, train.init_from (load_initial_weights,
@@ -37,7 +38,7 @@ from .config_json import (ARCHITECTURES, COMMON_FIELDS, DEEPSEEK_FIELDS, DEFAULT
                           hf_config_to_model_config, model_config_to_hf, read_config)
 from .errors import HFFormatError, PathLike  # noqa: F401
 from .names import hf_to_our_name, our_to_hf_name  # noqa: F401
-from .read import convert_hf_state_dict, from_hf, load_checked, read_safetensors  # noqa: F401
+from .read import check_keys_and_shapes, convert_hf_state_dict, from_hf, load_checked, read_safetensors  # noqa: F401
 from .tokenizer import export_tokenizer, special_token_ids, tokenizer_size  # noqa: F401
 from .weights_file import (check_same_model, hf_dir_model, init_from_model, load_initial_weights,  # noqa: F401
                            load_weights_file, model_yaml, save_model_yaml, save_weights_file)

@@ -133,29 +133,43 @@ def convert_hf_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig) ->
     return out
 
 
-def load_checked(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
-                 name_of=lambda k: k, optional_prefix: Optional[str] = None) -> None:
-    """Copy `state` (our names) into `model` after checking key set and shapes; errors name keys via `name_of`.
-    Keys under `optional_prefix` may be absent (they keep their initial values)."""
-    expected = model.state_dict()
-    optional = {"lm_head.weight"} if getattr(model.cfg, "tie_word_embeddings", False) else set()
+def check_keys_and_shapes(have: dict[str, tuple], expected: dict[str, tuple], source: str, name_of=lambda k: k,
+                          tied: bool = False, optional_prefix: Optional[str] = None, error=HFFormatError) -> None:
+    """The one check of a set of weights (`have`: our name -> shape) against the model the config
+    describes (`expected`, the same): the same keys, each of the same shape, else one sentence
+    (`error`) naming the keys at fault by `name_of` (the source's own names). A tied lm_head.weight
+    (`tied`) and keys under `optional_prefix` may be absent (they keep their initial values)."""
+    optional = {"lm_head.weight"} if tied else set()
     if optional_prefix:
         optional |= {k for k in expected if k.startswith(optional_prefix)}
-    missing = sorted(name_of(k) for k in expected.keys() - state.keys() - optional)
-    unexpected = sorted(name_of(k) for k in state.keys() - expected.keys())
+    missing = sorted(name_of(k) for k in expected.keys() - have.keys() - optional)
+    unexpected = sorted(name_of(k) for k in have.keys() - expected.keys())
     if missing:
-        raise HFFormatError(f"{source} is missing {len(missing)} key(s) the config needs: {_listing(missing)}.")
+        raise error(f"{source} is missing {len(missing)} key(s) the config needs: {_listing(missing)}.")
     if unexpected:
-        raise HFFormatError(f"{source} has {len(unexpected)} key(s) the config does not have: "
-                            f"{_listing(unexpected)}.")
+        raise error(f"{source} has {len(unexpected)} key(s) the config does not have: {_listing(unexpected)}.")
+    for key in expected.keys() & have.keys():
+        if tuple(have[key]) != tuple(expected[key]):
+            raise error(f"{source}: {name_of(key)} has shape {tuple(have[key])} but the config implies "
+                        f"{tuple(expected[key])}.")
+
+
+def load_checked(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
+                 name_of=lambda k: k, optional_prefix: Optional[str] = None) -> None:
+    """Copy `state` (our names) into `model` after check_keys_and_shapes and a dtype check; errors
+    name keys via `name_of`. Keys under `optional_prefix` may be absent (they keep their initial values)."""
+    expected = model.state_dict()
+    tied = getattr(model.cfg, "tie_word_embeddings", False)
+    shapes = {k: tuple(t.shape) for k, t in state.items()}
+    check_keys_and_shapes(shapes, {k: tuple(t.shape) for k, t in expected.items()}, source, name_of, tied,
+                          optional_prefix)
     for key, t in state.items():
-        if tuple(t.shape) != tuple(expected[key].shape):
-            raise HFFormatError(f"{source}: {name_of(key)} has shape {tuple(t.shape)} but the config implies "
-                                f"{tuple(expected[key].shape)}.")
         if not (t.is_floating_point() or t.dtype == expected[key].dtype):
             raise HFFormatError(f"{source}: {name_of(key)} has dtype {t.dtype}, expected a floating point tensor.")
     # tied: lm_head is embed_tokens; a stored copy of the head is not loaded over it
-    model.load_state_dict({k: t for k, t in state.items() if k not in optional}, strict=False)
+    skip = {"lm_head.weight"} if tied else set()
+    model.load_state_dict({k: t for k, t in state.items() if k not in skip and not (
+        optional_prefix and k.startswith(optional_prefix))}, strict=False)
 
 
 def from_hf(path: PathLike, seed: int = 0) -> torch.nn.Module:
