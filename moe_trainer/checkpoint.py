@@ -18,6 +18,9 @@ Each rank hashes its own file; rank 0 writes state.json and the manifest from th
 digests the ranks report, then renames the directory into place and moves `latest`. A
 directory without a manifest is never resumed from. Readers check sizes of every file and the
 checksum of every file they read. No pickle is ever read.
+
+Kept whole (over 500 lines): the file format is one contract between the writer and the
+readers (the index, the box arithmetic and the manifest checks must change together).
 """
 from __future__ import annotations
 

@@ -2,6 +2,10 @@
 
 Every error is a `ConfigError` whose message is one sentence naming the key and
 what would be valid. Validation runs before any process group is made.
+
+Kept whole (over 500 lines): the sections' dataclasses, the override parser and the
+validation of every key against the others are one contract, read top to bottom; split,
+each validation would sit away from the fields it checks.
 """
 from __future__ import annotations
 
