@@ -342,7 +342,8 @@ class Trainer:
         res = self.executor.step(self.micro_batch)
         record = self.finish_step(res.losses, StepTimes(), t0)  # ends in a host sync: every mark is done now
         times = record["times"]
-        times.forward, times.backward, times.pipeline_wait = (res.seconds(self.clock, k) for k in res.spans)
+        times.forward, times.backward, times.pipeline_wait = (res.seconds(self.clock, k)
+                                                              for k in ("forward", "backward", "wait"))
         self.trace.resolve()
         return record
 
