@@ -14,6 +14,7 @@ batches on any layout, and the data position on resume is the step number.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -74,14 +75,18 @@ def write_token_dir(out_dir: Path, docs: Iterable[tuple[str, np.ndarray]], vocab
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written token directory
         raise
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
+    old = None
+    if out_dir.exists():  # moved aside, not deleted first: out_dir is never missing a file it lists
+        old = out_dir.with_name(out_dir.name + f".old{os.getpid()}")
+        os.replace(out_dir, old)
     try:
         os.replace(tmp, out_dir)
     except OSError:
         if not (out_dir / "index.json").is_file():
             raise
-        shutil.rmtree(tmp, ignore_errors=True)  # a concurrent writer (another rank) put it there first
+        shutil.rmtree(tmp, ignore_errors=True)  # a concurrent writer put it there first
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return index
 
 
@@ -127,15 +132,23 @@ def default_corpus_dir(val_fraction: float = 0.02) -> Path:
     key = hashlib.sha256(json.dumps([str(root), sys.version, FORMAT, val_fraction]).encode()).hexdigest()[:12]
     cache = Path(os.environ.get("MOE_TRAINER_CACHE", Path.home() / ".cache" / "moe_trainer"))
     out = cache / f"stdlib-{key}"
-    if not (out / "index.json").is_file():
-        files = stdlib_files()
-        docs = ((str(p.relative_to(root)), np.frombuffer(p.read_bytes(), dtype=np.uint8)) for p in files)
-        write_token_dir(out, docs, BYTE_VOCAB_PADDED, EOS_ID, val_fraction, BYTE_TOKENIZER, byte_tokenizer_files())
-    elif not all((out / name).is_file() for name in TOKENIZER_FILES):  # a cache written before they were
-        for name, text in byte_tokenizer_files().items():
-            tmp = out / f".{name}.tmp{os.getpid()}"
-            tmp.write_text(text)
-            os.replace(tmp, out / name)
+    if (out / "index.json").is_file() and all((out / name).is_file() for name in TOKENIZER_FILES):
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    # one builder: every rank of a job starts here at once, and the others wait for its directory
+    # (two builders would replace one another's directory under a rank that is reading it)
+    with open(cache / f"stdlib-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "index.json").is_file():
+            files = stdlib_files()
+            docs = ((str(p.relative_to(root)), np.frombuffer(p.read_bytes(), dtype=np.uint8)) for p in files)
+            write_token_dir(out, docs, BYTE_VOCAB_PADDED, EOS_ID, val_fraction, BYTE_TOKENIZER,
+                            byte_tokenizer_files())
+        elif not all((out / name).is_file() for name in TOKENIZER_FILES):  # a cache from before they were
+            for name, text in byte_tokenizer_files().items():
+                tmp = out / f".{name}.tmp{os.getpid()}"
+                tmp.write_text(text)
+                os.replace(tmp, out / name)
     return out
 
 

@@ -1,5 +1,6 @@
 """Token files and batches: determinism, DP slicing, resume position, bad files."""
 import json
+import os
 import subprocess
 import sys
 
@@ -132,6 +133,47 @@ def test_default_corpus_is_the_stdlib():
     assert default_corpus_dir() == path  # cached, same place
     h = unigram_entropy(np.asarray(train.tokens[:2_000_000]), 320)
     assert 2.5 < h < 4.0  # Python source as bytes
+
+
+def _build_and_open(barrier, results, i):
+    from moe_trainer import data
+    barrier.wait()  # all at once, as the ranks of a job start
+    try:
+        data.open_token_dir(data.default_corpus_dir(), 320)
+        results[i] = "ok"
+    except Exception as e:  # noqa: BLE001 (reported to the test)
+        results[i] = f"{type(e).__name__}: {e}"
+
+
+def test_ranks_starting_together_build_the_default_corpus_once(tmp_path, monkeypatch):
+    """Ranks of a fresh machine's first job build the cache at once: one builds, the others wait and
+    read its directory (two builders replaced each other's directory under a reader: 'token file ...
+    truncated or missing: 0 bytes')."""
+    import multiprocessing as mp
+    from moe_trainer import data
+    files = data.stdlib_files()[:300]
+    log = tmp_path / "builds"
+    build = data.write_token_dir
+
+    def counted(*args, **kwargs):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return build(*args, **kwargs)
+    monkeypatch.setenv("MOE_TRAINER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(data, "stdlib_files", lambda: files)
+    monkeypatch.setattr(data, "write_token_dir", counted)
+    ctx = mp.get_context("fork")
+    n = 4
+    barrier, results = ctx.Barrier(n), ctx.Manager().dict()
+    procs = [ctx.Process(target=_build_and_open, args=(barrier, results, i)) for i in range(n)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert dict(results) == {i: "ok" for i in range(n)}
+    assert len(log.read_text().split()) == 1
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == \
+        [data.default_corpus_dir().name]  # no temporary or moved-aside directory left
 
 
 def test_a_tokenizer_s_own_end_of_text_separates_documents_and_travels(tmp_path):
