@@ -84,7 +84,8 @@ class Trainer:
             cfg.data.path, t.seq_len, cfg.run.seed, cfg.model.vocab_size, cfg.data.val_fraction)
         # built on the meta device; parallelism slices it and this rank materialises only its
         # stage, its experts and its TP shards (models/init.py)
-        self.comm = CommCounter()
+        self.clock = StepClock(device)  # phase and transfer times: CUDA events on a GPU
+        self.comm = CommCounter(self.clock)
         self.model = parallelize(build_model(cfg.model, cfg.run.seed, materialized=False), cfg, mesh, self.comm)
         shm = cfg.parallel.cpu_alltoall == "shm" and dist.is_initialized() and self.layout.world > 1
         if shm:
@@ -104,7 +105,6 @@ class Trainer:
             route_deepspeed_collectives()
         # ZeRO's gradient reductions and parameter gathers, counted like the all-to-alls
         count_deepspeed_collectives(self.comm, {mesh.group("dpcp"): "dp", mesh.group("edp"): "edp"})
-        self.clock = StepClock(device)
         self.executor = self._build_executor() if self.pipelined else None
         # the critical batch size: per-micro-batch gradient norms vs the reduced one
         # (one micro-batch per optimizer step has nothing to compare: no hooks then)
@@ -150,10 +150,14 @@ class Trainer:
         if self.start.checkpoint is None:
             return None
         resume = "auto" if self.start.resume == "auto" else str(self.start.checkpoint)
-        return checkpoint.find_resume(self.out_dir, resume, warn=self.is_logger,
-                                      files_read=lambda path: checkpoint.files_to_read(path, self.model,
-                                                                                       self.mesh.rank),
-                                      any_rank=self.any_rank)
+        found = checkpoint.find_resume(self.out_dir, resume, warn=self.is_logger,
+                                       files_read=lambda path: checkpoint.files_to_read(path, self.model,
+                                                                                        self.mesh.rank),
+                                       any_rank=self.any_rank)
+        if found != self.start.checkpoint:  # the checksums refused plan_start's pick: the run directory's
+            self.start.checkpoint = found   # history and the console say what this start really resumes
+            self.start.fresh_over = found is None and (self.out_dir / "config.yaml").is_file()
+        return found
 
     def prepare_run_dir(self) -> None:
         """Rank 0 records the start (config_history.jsonl, config.yaml, the tokenizer, the MFU peak)

@@ -196,3 +196,19 @@ def train_tokenizer(path: Path, vocab_size: int = 400, eos: str = "<|endoftext|>
         vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(path))
     return path
+
+
+class EventLikeClock:
+    """A StepClock stand-in that behaves like CUDA events: a mark cannot be read until the step's
+    host sync (`synced`); the host clock would have timed kernel launches instead of kernels."""
+
+    def __init__(self):
+        self.now, self.synced = 0.0, False
+
+    def mark(self):
+        self.now += 1.0
+        return self.now
+
+    def seconds(self, a, b) -> float:
+        assert self.synced, "a mark was read before the step's host sync"
+        return b - a

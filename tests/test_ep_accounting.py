@@ -23,7 +23,7 @@ from moe_trainer.moe.layer import MoE
 from moe_trainer.parallel.comm import CommCounter
 from moe_trainer.parallel.expert import AllToAllDispatcher, shard_experts
 
-from conftest import ROOT, TINY, VENV_BIN, check, env, ep_layer_parity_errors, free_port, read_metrics, spawn_ranks
+from conftest import ROOT, TINY, VENV_BIN, EventLikeClock, check, env, ep_layer_parity_errors, free_port, read_metrics, spawn_ranks
 
 E, K, D, H = 8, 2, 16, 8
 KINDS = ("dispatch", "combine", "dispatch_grad", "combine_grad")
@@ -70,7 +70,7 @@ def _layer_case(rank, world, dedup, routing_mode, dtype) -> dict:
 
     layer = make_layer(n_group, topk_group, dtype=dtype)
     shard_experts(layer, rank, world)
-    counter = CommCounter()
+    counter = CommCounter(EventLikeClock())
     layer.dispatcher = AllToAllDispatcher(E, world, dist.group.WORLD, counter=counter, dedup=dedup)
     seen = []
     layer.gate.register_forward_hook(lambda m, i, o: seen.append(o.topk_idx.detach().clone()))
@@ -84,6 +84,17 @@ def _layer_case(rank, world, dedup, routing_mode, dtype) -> dict:
     got_recv = {k: counter.received.get(k, 0) for k in KINDS}
     if got_sent != sent or got_recv != received:
         errors.append(f"bytes: counted sent {got_sent} received {got_recv}; planned sent {sent} received {received}")
+    # every exchange is timed by clock marks (CUDA events on a GPU), readable only after the step's sync
+    try:
+        counter.reset()
+        errors.append("the all-to-all times were read before the step's host sync")
+    except AssertionError:
+        pass
+    counter.clock.synced = True
+    counted = counter.reset()
+    if set(counted["seconds"]) != set(counted["sent"]) | {"dispatch_counts"} or min(counted["seconds"].values()) <= 0:
+        errors.append(f"timed kinds {counted['seconds']}, expected every counted kind {sorted(counted['sent'])} "
+                      f"and dispatch_counts")
 
     if dtype == torch.float32:  # parity with the single-rank layer on all ranks' tokens
         errors += ep_layer_parity_errors(layer, ref, out, ref_out, x, x_ref, rank, world, 3, E)

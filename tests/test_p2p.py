@@ -14,7 +14,7 @@ import torch
 from moe_trainer.parallel.p2p import Transfer, chunk_peers, comm_plan, needs, produces
 from moe_trainer.parallel.pipeline import SCHEDULES, forward_only, schedule_units
 
-from conftest import ROOT, spawn_ranks
+from conftest import ROOT, EventLikeClock, spawn_ranks
 
 
 def batched_plan(schedule: str, s: int, p: int, m: int, v: int = 1) -> list[list[Transfer]]:
@@ -181,22 +181,6 @@ def test_gloo_wrapper_fails_the_crossing_order_and_passes_the_batched_one():
     assert good == {0: ("ok", 1.0), 1: ("ok", 0.0)}
 
 
-class EventLikeClock:
-    """A StepClock stand-in that behaves like CUDA events: a mark cannot be read until the step's
-    host sync (`synced`); the host clock would have timed kernel launches instead of kernels."""
-
-    def __init__(self):
-        self.now, self.synced = 0.0, False
-
-    def mark(self):
-        self.now += 1.0
-        return self.now
-
-    def seconds(self, a, b) -> float:
-        assert self.synced, "a mark was read before the step's host sync"
-        return b - a
-
-
 def test_pipeline_times_are_marks_read_after_the_step_sync():
     """The executor's forward/backward/wait spans, the trace and the point-to-point seconds are all
     clock marks, read only once the step has synced (so on a GPU they time kernels, not launches)."""
@@ -223,7 +207,7 @@ def test_pipeline_times_are_marks_read_after_the_step_sync():
     assert trace.events == [] and trace.marks == []
 
 
-def test_pipeline_code_reads_no_host_clock():
-    """The pipeline executor and its transfers time through StepClock only."""
-    for name in ("pipeline.py", "p2p.py"):
+def test_timed_parallel_code_reads_no_host_clock():
+    """The pipeline executor, its transfers and the expert all-to-alls time through StepClock only."""
+    for name in ("pipeline.py", "p2p.py", "expert.py", "comm.py"):
         assert "perf_counter" not in (ROOT / "moe_trainer" / "parallel" / name).read_text(), name

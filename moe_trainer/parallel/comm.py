@@ -5,7 +5,6 @@ Backward of an all-to-all is the all-to-all with the splits swapped.
 from __future__ import annotations
 
 import math
-import time
 from collections import defaultdict
 from typing import Optional
 
@@ -13,34 +12,37 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.cpu.shm_alltoall import RING_BYTES, ShmAllToAll
+from ..metrics import StepClock
 
 
 class CommCounter:
-    """Bytes this rank sent and received per kind of collective since reset(), and the
-    wall seconds spent inside those collectives (`seconds`, per kind; blocking calls,
-    so it includes waiting for the slowest peer). Transfers that do not block the host on a GPU
-    (the pipeline's point-to-point) add spans of StepClock marks instead, read by reset(clock)
-    after the step's host sync."""
+    """Bytes this rank sent and received per kind of collective since reset(), and the seconds
+    spent in them (`seconds`, per kind, including the wait for the slowest peer). Times are spans
+    of StepClock marks (CUDA events on a GPU, where a collective does not block the host; the
+    host clock elsewhere), read by reset() after the step's host sync."""
 
-    def __init__(self):
+    def __init__(self, clock: Optional[StepClock] = None):
+        self.clock = clock or StepClock()
         self.sent: dict[str, int] = defaultdict(int)
         self.received: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
         self.spans: list = []  # (kind, start mark, end mark)
 
-    def add_time(self, kind: str, seconds: float) -> None:
-        self.seconds[kind] += seconds
+    def mark(self):
+        return self.clock.mark()
 
-    def add_span(self, kind: str, start, end) -> None:
-        self.spans.append((kind, start, end))
+    def add_span(self, kind: str, start, end=None) -> None:
+        """A span from mark `start` to `end` (now when omitted)."""
+        self.spans.append((kind, start, self.clock.mark() if end is None else end))
 
     def add(self, kind: str, sent: int, received: int) -> None:
         self.sent[kind] += sent
         self.received[kind] += received
 
-    def reset(self, clock=None) -> dict:
-        """What was counted since the last reset; `clock` (a StepClock) reads the spans' marks, which
-        must be complete (after a host sync)."""
+    def reset(self, clock: Optional[StepClock] = None) -> dict:
+        """What was counted since the last reset. The spans' marks are read with `clock` (default:
+        the counter's own), so they must be complete: call it after a host sync."""
+        clock = clock or self.clock
         for kind, start, end in self.spans:
             self.seconds[kind] += clock.seconds(start, end)
         self.spans.clear()
@@ -190,10 +192,10 @@ def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int]
 def _exchange(x, out_splits, in_splits, group, counter, kind):
     x = x.contiguous()
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    t0 = time.perf_counter()
+    start = counter.mark() if counter is not None else None
     all_to_all_single(out, x, out_splits, in_splits, group)
     if counter is not None:
-        counter.add_time(kind, time.perf_counter() - t0)
+        counter.add_span(kind, start)
         me = dist.get_rank(group)
         row = math.prod(x.shape[1:]) * x.element_size()  # bytes per row; x may have 0 rows
         counter.add(kind, (sum(in_splits) - in_splits[me]) * row, (sum(out_splits) - out_splits[me]) * row)

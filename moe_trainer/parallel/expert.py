@@ -38,7 +38,6 @@ every rank.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -116,9 +115,12 @@ class AllToAllDispatcher:
         if placement is not None and experts is None:
             raise ValueError("a placement needs the experts module whose weights it replicates")
 
-    def _time(self, kind: str, t0: float) -> None:
+    def _mark(self):
+        return self.counter.mark() if self.counter is not None else None
+
+    def _time(self, kind: str, start) -> None:
         if self.counter is not None:
-            self.counter.add_time(kind, time.perf_counter() - t0)
+            self.counter.add_span(kind, start)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> Dispatched:
         if self.dedup:
@@ -128,7 +130,7 @@ class AllToAllDispatcher:
         token_of = order // k
         # 1. exchange per-destination counts: recv[s, e] = rows rank s sends to my local expert (slot) e
         recv = torch.empty_like(counts)
-        t0 = time.perf_counter()
+        t0 = self._mark()
         all_to_all_single(recv, counts, group=self.group)
         send_counts, recv = counts.view(self.ep, self.n_local), recv.view(self.ep, self.n_local)
         in_splits, out_splits = self._splits(send_counts.sum(1), recv.sum(1))
@@ -237,7 +239,7 @@ class AllToAllDispatcher:
         # rows (tokens) and (token, expert) pairs for each rank, exchanged in one all-to-all of 2 * ep ints
         send = torch.stack([hit.sum(0), count_keys(dest, ep + 1)[:ep]], 1)  # (ep, 2)
         recv = torch.empty_like(send)
-        t0 = time.perf_counter()
+        t0 = self._mark()
         all_to_all_single(recv, send, group=self.group)
         in_splits, out_splits, recv_pairs = self._splits(send[:, 0], recv[:, 0], recv[:, 1])
         self._time("dispatch_counts", t0)
