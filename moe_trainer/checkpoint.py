@@ -36,10 +36,9 @@ from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from .models.init import global_view
+from .tensor_file import TensorFile, write_safetensors
 
 MANIFEST = "manifest.json"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -95,7 +94,9 @@ def _where(p: torch.Tensor, flat: int) -> str:
 
 
 def local_pieces(trainer) -> tuple[dict, dict]:
-    """(tensors, header metadata) this rank writes: its fragments, under global names."""
+    """(tensors, header metadata) this rank writes: its fragments, under global names. The tensors
+    are views of the optimizer's fp32 partitions and the stage's buffers (no copies: the writer takes
+    them to the host one at a time)."""
     link_optimizer_state(trainer.engine)
     mesh = trainer.mesh
     tensors, meta = {}, {}
@@ -107,12 +108,12 @@ def local_pieces(trainer) -> tuple[dict, dict]:
             continue  # ZeRO gave this rank no part of p
         where = _where(p, mapping.lp_fragment_address.start)
         for key, suffix in ((None, ""), *((k, f".{k}") for k in MOMENTS)):
-            tensors[name + suffix] = mapping.get_hp_fragment(key).detach().float().cpu().clone()
+            tensors[name + suffix] = mapping.get_hp_fragment(key).detach().float()
             meta[name + suffix] = where
     if mesh.index("dpcp") == 0 and mesh.index("tp") == 0:  # identical on every rank of a stage
         for name, buf in trainer.engine.module.named_buffers():
             if name.endswith(BIAS):
-                tensors[name], meta[name] = buf.detach().float().cpu().clone(), _where(buf, 0)
+                tensors[name], meta[name] = buf.detach().float(), _where(buf, 0)
     tensors["rng"] = torch.get_rng_state()
     return tensors, meta
 
@@ -139,11 +140,9 @@ def save(trainer) -> Optional[Path]:
     trainer.barrier()
     tensors, meta = local_pieces(trainer)
     part = tmp / part_name(rank)
-    save_file(tensors, str(part), metadata=meta)
+    digest = write_safetensors(part, tensors, meta)  # one tensor at a time: the part is never in memory whole
     del tensors
-    with open(part, "rb") as f:
-        os.fsync(f.fileno())
-    reports = _gather_reports(trainer, part.stat().st_size, sha256(part))
+    reports = _gather_reports(trainer, part.stat().st_size, digest)
     path = _finish(trainer, tmp, final, reports) if rank == 0 else None
     trainer.barrier()
     return path
@@ -194,8 +193,8 @@ def write_model(model: torch.nn.Module, path: Path, step: int = 0) -> Path:
     named = dict(model.named_parameters())
     named.update({n: b for n, b in model.named_buffers() if n.endswith(BIAS)})
     for name, t in named.items():
-        tensors[name], meta[name] = t.detach().float().cpu().reshape(-1).clone(), _where(t, 0)
-    save_file(tensors, str(tmp / part_name(0)), metadata=meta)
+        tensors[name], meta[name] = t.detach().float().reshape(-1), _where(t, 0)
+    write_safetensors(tmp / part_name(0), tensors, meta)
     (tmp / "state.json").write_text(json.dumps({"step": step, "arch": model.cfg.arch}))
     files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "world": 1, "files": files}, indent=1))
@@ -315,18 +314,17 @@ class Index:
             raise CheckpointError(f"checkpoint {path}: {problem}.")
         for fname in sorted(f for f in files if f.startswith("part-")):
             try:
-                with safe_open(str(path / fname), framework="pt") as f:
-                    meta = f.metadata() or {}
+                with TensorFile(path / fname) as f:
                     for key in f.keys():
                         if key == "rng":
                             self.rng_files.add(fname)
                             continue
-                        info = json.loads(meta[key])
+                        info = json.loads(f.metadata[key])
                         off, sizes = info["box"]
-                        numel = f.get_slice(key).get_shape()[0]
+                        numel = f.shape(key)[0]
                         self.pieces.setdefault(key, []).append(
                             Piece(fname, key, tuple(info["shape"]), tuple(off), tuple(sizes), info["flat"], numel))
-            except (SafetensorError, OSError, KeyError, ValueError) as e:
+            except (OSError, KeyError, TypeError, ValueError) as e:
                 raise CheckpointError(f"{path / fname} is not a readable checkpoint part ({e}).") from None
 
     def names(self) -> set:
@@ -353,17 +351,26 @@ class Index:
         if self._last is not None and self._last[0] is piece:  # consecutive blocks of one piece (export)
             return self._last[1]
         f = self._handles.get(piece.file)
-        if f is None:
-            f = self._handles[piece.file] = safe_open(str(self.path / piece.file), framework="pt")
-        self._last = (piece, f.get_tensor(piece.key))
+        if f is None:  # plain reads (TensorFile), not a memory map whose pages would stay resident
+            f = self._handles[piece.file] = TensorFile(self.path / piece.file)
+        try:
+            self._last = (piece, f.get(piece.key))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{self.path / piece.file} is not a readable checkpoint part ({e}).") from None
         return self._last[1]
+
+    def close(self) -> None:
+        for f in self._handles.values():
+            f.close()
+        self._handles.clear()
+        self._last = None
 
     def rng(self, rank: int) -> Optional[torch.Tensor]:
         name = part_name(rank)
         if name not in self.rng_files:
             return None
-        with safe_open(str(self.path / name), framework="pt") as f:
-            return f.get_tensor("rng")
+        with TensorFile(self.path / name) as f:
+            return f.get("rng")
 
     def block(self, key: str, offsets: Optional[tuple] = None, sizes: Optional[tuple] = None) -> torch.Tensor:
         """The block [offsets, offsets + sizes) of global tensor `key` (all of it by default), fp32,
@@ -554,6 +561,7 @@ def load(path: Path, trainer) -> int:
     if "noise_scale" in state:
         trainer.noise.load_state_dict(state["noise_scale"])
     rng = index.rng(trainer.mesh.rank)
+    index.close()
     if rng is not None:
         torch.set_rng_state(rng)
     return int(state["step"])

@@ -1,9 +1,10 @@
-"""Streaming export to a Hugging Face directory: one shard in memory at a time.
+"""Streaming export to a Hugging Face directory: one tensor in memory at a time.
 
 The shard plan (which tensor goes to which `model-0000k-of-0000n.safetensors`) is made from
-shapes alone; then each shard's tensors are read (a run checkpoint's pieces, or a safetensors
-file's tensors, block by block), written, and dropped. Peak memory is about one shard (plus
-the one checkpoint piece being cut into per-expert tensors), never the model. The layout is
+shapes alone; then each shard is written tensor by tensor, each read when its turn comes (a run
+checkpoint's pieces, or a safetensors file's tensors, block by block) and dropped. Peak memory is
+about one tensor (plus the one checkpoint piece being cut into per-expert tensors), never a
+shard or the model. The layout is
 what hf.to_hf writes for a model in memory: Hugging Face names, experts one tensor per expert
 unless stacked, DeepSeek's MTP copies of the embedding and head, the router kept in fp32.
 """
@@ -16,11 +17,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from safetensors.torch import save_file
 
 from .config import ModelConfig
 from .hf import DEFAULT_SHARD_BYTES, KEEP_FP32, HFFormatError, model_config_to_hf, our_to_hf_name
 from .hf.write import _staged_dir
+from .tensor_file import write_safetensors
 
 Reader = Callable[[str, tuple, tuple], torch.Tensor]  # (our name, offsets, sizes) -> fp32 block
 
@@ -115,9 +116,8 @@ def stream_to_hf(cfg: ModelConfig, shapes: dict, read: Reader, path, *, dtype: O
         weight_map = {}
         for i, shard in enumerate(shards, start=1):
             name = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            tensors = {e.key: e.read().to(e.dtype).contiguous() for e in shard}  # this shard only
-            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
-            del tensors
+            # each tensor read when its turn comes: one tensor in memory, not the shard
+            write_safetensors(tmp / name, {e.key: e for e in shard}, metadata={"format": "pt"})
             weight_map.update({e.key: name for e in shard})
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(e.bytes for e in entries)}, "weight_map": weight_map}

@@ -78,16 +78,17 @@ def _rank_dying_mid_write(rank: int, world: int, port: int, out: str, overrides:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from moe_trainer import checkpoint, train
-    real = checkpoint.save_file
+    real = checkpoint.write_safetensors
 
-    def dying(tensors, filename, metadata=None):
-        real(tensors, filename, metadata=metadata)
-        if rank == 1 and ".step_2.tmp" in filename:
+    def dying(filename, tensors, metadata=None):
+        digest = real(filename, tensors, metadata)
+        if rank == 1 and ".step_2.tmp" in str(filename):
             with open(filename, "r+b") as f:
                 f.truncate(Path(filename).stat().st_size // 2)
             os._exit(9)
+        return digest
 
-    checkpoint.save_file = dying
+    checkpoint.write_safetensors = dying
     os._exit(train.main([f"--config={ROOT / 'configs' / 'moe_tiny.yaml'}"] + [a for o in overrides + [f"run.out_dir={out}"]
                                                                for a in ("--set", o)]))
 
