@@ -444,6 +444,10 @@ def validate(cfg: Config) -> None:
         kind = m.rope_scaling.get("rope_type", m.rope_scaling.get("type"))
         _require(kind in ("yarn", "llama3", "default"),
                  f"model.rope_scaling.rope_type must be one of yarn, llama3, default, got {kind!r}.")
+        for key, value in m.rope_scaling.items():
+            _require(key in ("rope_type", "type", "truncate") or value is None
+                     or (isinstance(value, (int, float)) and not isinstance(value, bool)),
+                     f"model.rope_scaling.{key} must be a number, got {value!r}.")
 
 
 def _validate_deepseek(m: ModelConfig) -> None:

@@ -146,7 +146,7 @@ def plan_run(args, rank: int):
         start = plan_start(cfg, given, warn=rank == 0)
     except ConfigError:
         pass  # e.g. a model section that only the init_from directory's config.json completes: decided below
-    if start is None or not start.from_saved:
+    if start is None or (not start.from_saved and cfg.train.init_from):  # else the first reading stands
         cfg = load_config(args.config, args.overrides, check_data=True, read_init_from=True)
         start = plan_start(cfg, given, warn=start is None and rank == 0)
     # the command's, not start.cfg's (a merge keeps the saved value where the command says auto):

@@ -1,5 +1,7 @@
 """Continuing a Hugging Face checkpoint: train.init_from loads transformers'
 weights, and the first training loss is transformers' own loss on that batch."""
+import json
+
 import torch
 import torch.nn.functional as F
 import yaml
@@ -108,3 +110,5 @@ def test_auto_resume_past_every_damaged_checkpoint_loads_init_from(tmp_path):
     assert "skipping checkpoint" in again.stderr and f"start: weights from {weights}" in again.stdout
     assert "resumed from" not in again.stdout
     assert abs(train_losses(tmp_path / "run")[1] - first) <= 1e-6 * abs(first)
+    history = [json.loads(line) for line in (tmp_path / "run" / "config_history.jsonl").read_text().splitlines()]
+    assert [h["resumed_from"] for h in history] == [None, None]  # the refused pick is not recorded as resumed

@@ -98,6 +98,21 @@ def test_a_contradiction_is_one_sentence_naming_the_field(where, tmp_path):
                             f"leave model.hidden_size unset to take the directory's value.")
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def test_rope_scaling_is_compared_in_its_standard_form(tmp_path):
+    """A config may spell the directory's YaRN its own way (the legacy `type`, an integer factor, the
+    default pre-scaling context left out); a different factor is a contradiction."""
+    hf_dir, _ = save_hf(tmp_path, ds_config(rope_scaling=dict(YARN, original_max_position_embeddings=128)))
+    spelled = {"type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1, "mscale": 1, "mscale_all_dim": 1}
+    cfg = load_config(run_config(tmp_path, hf_dir, {"rope_scaling": spelled}), [], read_init_from=True)
+    assert cfg.model.rope_scaling == spelled
+    with pytest.raises(ConfigError, match=r"^model\.rope_scaling is .*'factor': 8.*, but the config\.json of "):
+        load_config(run_config(tmp_path, hf_dir, {"rope_scaling": dict(spelled, factor=8)}), [], read_init_from=True)
+
+
 def test_the_family_is_checked_first(tmp_path):
     hf_dir, _ = save_hf(tmp_path, llama_config())
     with pytest.raises(ConfigError, match=r"^model\.arch is 'deepseek_v3', but the config\.json of train\.init_from "):
@@ -113,6 +128,15 @@ BAD = {
                        "train.init_from {d} is a directory with neither config.json (a Hugging Face checkpoint) "
                        "nor manifest.json (a run checkpoint)."),
     "no directory": (lambda d: shutil.rmtree(d), "train.init_from {d} does not exist."),
+    # badly typed values: one sentence naming the field, not a TypeError or ValueError
+    "max_position_embeddings a string": (lambda d: edit_config(d, lambda c: c.update(max_position_embeddings="128")),
+                                         "model.max_position_embeddings must be of type int, got '128'"),
+    "num_nextn_predict_layers a string": (lambda d: edit_config(d, lambda c: c.update(num_nextn_predict_layers="1")),
+                                          "model.num_nextn_predict_layers must be of type int, got '1'"),
+    "rope_theta a string": (lambda d: edit_config(d, lambda c: c.update(rope_theta="x", rope_parameters=None)),
+                            "config.json field rope_theta must be a number, got 'x'"),
+    "yarn factor a string": (lambda d: edit_config(d, lambda c: c.update(rope_scaling=dict(YARN, factor="4"))),
+                             "config.json field rope_scaling.factor must be a number, got '4'"),
 }
 
 
@@ -157,3 +181,19 @@ def test_cli_trains_the_directorys_model_and_saves_it_for_resume(tmp_path):
     start = plan_start(cfg, given_keys(None, overrides), warn=False)
     assert start.checkpoint is not None and start.from_saved
     assert start.cfg.model == expected
+
+
+def test_plan_run_reads_the_config_twice_only_to_resolve_init_from(tmp_path, monkeypatch):
+    """A fresh start reads (and checks the data of) its config once; a start from a Hugging Face
+    directory reads it again with the directory's model section."""
+    from moe_trainer import train
+    calls = []
+    real = train.load_config
+    monkeypatch.setattr(train, "load_config", lambda *a, **k: calls.append(k.get("read_init_from")) or real(*a, **k))
+    plain = train.parse_args(["--config", str(ROOT / "configs" / "moe_tiny.yaml"), "--set", f"run.out_dir={tmp_path}/a"])
+    assert train.plan_run(plain, 0).checkpoint is None and calls == [None]
+    hf_dir, _ = save_hf(tmp_path, ds_config(vocab_size=320))  # the default corpus's byte vocabulary
+    calls.clear()
+    start = train.plan_run(train.parse_args(["--config", run_config(tmp_path, hf_dir),
+                                             "--set", f"run.out_dir={tmp_path}/b"]), 0)
+    assert start.cfg.model == directory_model(hf_dir) and calls == [None, True]

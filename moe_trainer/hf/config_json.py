@@ -71,6 +71,10 @@ def _arch_of(hf: dict) -> str:
                         f"supported: {', '.join(ARCHITECTURES)}.")
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _rope_from_hf(hf: dict, max_position_embeddings: int) -> tuple[float, Optional[dict]]:
     """HF rope_parameters (or the legacy rope_scaling + rope_theta) -> (rope_theta, our rope_scaling)."""
     # transformers lets a legacy rope_scaling override rope_parameters
@@ -82,15 +86,21 @@ def _rope_from_hf(hf: dict, max_position_embeddings: int) -> tuple[float, Option
         raise HFFormatError(f"config.json field {field} holds per-layer-type RoPE settings, which "
                             f"{_arch_of(hf)} does not use.")
     params = dict(params)
-    theta = float(params.pop("rope_theta", hf.get("rope_theta", DEFAULT_ROPE_THETA)))
+    theta = params.pop("rope_theta", hf.get("rope_theta", DEFAULT_ROPE_THETA))
+    if not _is_number(theta):
+        raise HFFormatError(f"config.json field rope_theta must be a number, got {theta!r}.")
+    theta = float(theta)
     kind = params.pop("rope_type", params.pop("type", "default"))
     if kind not in ROPE_KEYS:
         raise HFFormatError(f"config.json field {field}.rope_type is {kind!r}; supported RoPE types are "
                             f"{', '.join(ROPE_KEYS)}.")
     partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
-        raise HFFormatError(f"config.json field partial_rotary_factor is {partial}; only full rotary (1.0) is "
+        raise HFFormatError(f"config.json field partial_rotary_factor is {partial!r}; only full rotary (1.0) is "
                             f"supported.")
+    for key, value in params.items():
+        if key != "truncate" and value is not None and not _is_number(value):
+            raise HFFormatError(f"config.json field {field}.{key} must be a number, got {value!r}.")
     unknown = sorted(set(params) - ROPE_KEYS[kind])
     if unknown:
         raise HFFormatError(f"config.json field {field} has keys {', '.join(unknown)} that {kind} RoPE does not "
@@ -100,6 +110,10 @@ def _rope_from_hf(hf: dict, max_position_embeddings: int) -> tuple[float, Option
     # transformers' standardisation: the pre-scaling context defaults to max_position_embeddings
     original = params.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings",
                                                                             max_position_embeddings))
+    for key, value in (("max_position_embeddings", max_position_embeddings),
+                       ("original_max_position_embeddings", original)):
+        if not _is_number(value):
+            raise HFFormatError(f"config.json field {key} must be a number, got {value!r}.")
     if params.get("factor") is None:
         if kind != "yarn":
             raise HFFormatError(f"config.json field {field}.factor is required for {kind} RoPE.")
@@ -109,6 +123,17 @@ def _rope_from_hf(hf: dict, max_position_embeddings: int) -> tuple[float, Option
             if key not in params:
                 raise HFFormatError(f"config.json field {field}.{key} is required for llama3 RoPE.")
     return theta, {"rope_type": kind, **params}
+
+
+def standard_rope_scaling(cfg: ModelConfig) -> Optional[dict]:
+    """model.rope_scaling as transformers standardises it (rope_type named, its defaults filled in), so
+    that two spellings of one RoPE compare equal; a setting it cannot read stays as written."""
+    if not cfg.rope_scaling:
+        return None
+    try:
+        return _rope_from_hf({"rope_scaling": dict(cfg.rope_scaling)}, cfg.max_position_embeddings)[1]
+    except HFFormatError:
+        return dict(cfg.rope_scaling)
 
 
 def _check_supported(hf: dict, arch: str) -> None:
@@ -164,15 +189,16 @@ def hf_config_to_model_config(hf: dict) -> ModelConfig:
 
 def _validated(model_values: dict) -> ModelConfig:
     """Type-check and validate through the config tree (its messages name model.<field>)."""
-    n_mtp = model_values.get("num_nextn_predict_layers", 0) or 0
     train = {"seq_len": 1, "micro_batch_size": 1, "global_batch_size": 1}
-    if model_values.get("max_position_embeddings", 1) <= n_mtp:
-        raise HFFormatError(f"config.json field max_position_embeddings ({model_values['max_position_embeddings']}) "
-                            f"must exceed num_nextn_predict_layers ({n_mtp}).")
     try:
-        return config_from_dict({"model": model_values, "train": train}).model
+        model = config_from_dict({"model": model_values, "train": train}).model
     except ConfigError as e:
         raise HFFormatError(f"config.json is not a model we can build: {e}") from None
+    n_mtp = model.num_nextn_predict_layers or 0
+    if model.max_position_embeddings <= n_mtp:  # both type-checked by now
+        raise HFFormatError(f"config.json field max_position_embeddings ({model.max_position_embeddings}) "
+                            f"must exceed num_nextn_predict_layers ({n_mtp}).")
+    return model
 
 
 def _rope_to_hf(cfg: ModelConfig) -> dict:

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
-from .config_json import hf_config_to_model_config, read_config
+from .config_json import hf_config_to_model_config, read_config, standard_rope_scaling
 from .errors import HFFormatError, PathLike
 
 def load_weights_file(model: torch.nn.Module, path: PathLike) -> None:
@@ -84,11 +84,14 @@ def check_same_model(ours: ModelConfig, theirs: ModelConfig, names: Iterable[str
 
 
 def _value(cfg: ModelConfig, name: str):
-    """A model field, with the fields whose None stands for a default (Llama's GQA) spelled out."""
+    """A model field, with the fields whose None stands for a default (Llama's GQA) spelled out and
+    RoPE scaling in its standard form."""
     if name == "num_key_value_heads":
         return cfg.num_key_value_heads or cfg.num_attention_heads
     if name == "head_dim":
         return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    if name == "rope_scaling":
+        return standard_rope_scaling(cfg)
     return getattr(cfg, name)
 
 
