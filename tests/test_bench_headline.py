@@ -92,3 +92,18 @@ def test_bench_all_rewrites_only_its_table(tmp_path):
     assert (tmp_path / "train_tokens_per_s.png").stat().st_size > 5_000
     assert (tmp_path / "train_split.png").stat().st_size > 5_000
     json.dumps(train)  # what bench_all reads back is plain JSON
+
+
+def test_every_bench_module_finds_the_checkout():
+    """The bench modules that start jobs find configs/ and tools/ from their own path (scale.py's
+    once pointed at the package folder after the move into moe_trainer/bench, and every run failed)."""
+    import importlib
+    import pkgutil
+    import moe_trainer.bench as bench
+    roots = {}
+    for info in pkgutil.iter_modules(bench.__path__):
+        module = importlib.import_module(f"moe_trainer.bench.{info.name}")
+        if hasattr(module, "ROOT"):
+            roots[info.name] = Path(module.ROOT)
+    assert {"scale", "train", "ep"} <= set(roots)
+    assert all(r == ROOT and (r / "configs" / "moe_tiny.yaml").is_file() for r in roots.values()), roots

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = ["model.hidden_size=256", "model.num_hidden_layers=3", "model.num_attention_heads=2",
          "model.q_lora_rank=32", "model.kv_lora_rank=32", "model.qk_rope_head_dim=8", "model.qk_nope_head_dim=16",
@@ -42,12 +42,14 @@ def rss(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # M
 t0 = time.perf_counter(); trainer = make_trainer(cfg, layout); build_s = time.perf_counter() - t0
 built = rss()
 trainer.prepare_run_dir(); trainer.step = 1
-trainer.barrier(); t0 = time.perf_counter(); checkpoint.save(trainer); trainer.barrier(); save_s = time.perf_counter() - t0
+trainer.barrier(); t0, c0 = time.perf_counter(), time.process_time(); checkpoint.save(trainer)
+save_cpu_s = time.process_time() - c0; trainer.barrier(); save_s = time.perf_counter() - t0; saved = rss()
 ckpt = Path(cfg.run.out_dir) / "checkpoints" / "step_1"
 mine = sorted(ckpt.glob(f"part-r{trainer.mesh.rank:05d}*")) or sorted(ckpt.glob(f"*pp{trainer.mesh.coord['pp']}*"))
 part = sum(f.stat().st_size for f in mine) if (mine and (trainer.mesh.rank == 0 or "part-r" in mine[0].name)) else 0
 trainer.barrier(); t0 = time.perf_counter(); checkpoint.load(ckpt, trainer); trainer.barrier(); load_s = time.perf_counter() - t0
 out = {"rank": trainer.mesh.rank, "build_s": build_s, "rss_built_mib": built, "save_s": save_s, "load_s": load_s,
+       "save_cpu_s": save_cpu_s, "rss_saved_mib": saved,
        "part_bytes": part, "rss_peak_mib": rss()}
 (Path(cfg.run.out_dir) / f"rank{trainer.mesh.rank}.json").write_text(json.dumps(out))
 """
@@ -93,6 +95,12 @@ def export_peak(ckpt: Path, out: Path, code: Path) -> tuple[float, float]:
     return (float(peak), float(secs)) if rc == "0" else (float("nan"), float("nan"))
 
 
+def _most(ranks: list[dict], key: str, fmt: str) -> str:
+    """The ranks' largest `key`, or "-" where the code measured (an older tree's worker) lacks it."""
+    values = [r[key] for r in ranks if key in r]
+    return format(max(values), fmt) if values else "-"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ep", default="2,4,8", help="EP degrees (world = ep); default %(default)s")
@@ -105,9 +113,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     code, out = Path(a.code).resolve(), Path(a.out).resolve()
     print("| code | ep = world | routed experts | expert fp32 MB (all) | peak RSS per rank after build MiB (max) | "
-          "peak RSS end MiB (max) | ckpt write s (max) | ckpt read s (max) | bytes written per rank (max) |"
-          + (" export peak RSS MiB |" if a.export else ""))
-    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if a.export else ""))
+          "after write | end | ckpt write s (max) | write CPU s per rank (max) | ckpt read s (max) | "
+          "bytes written per rank (max) |" + (" export peak RSS MiB |" if a.export else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if a.export else ""))
     for ep in [int(x) for x in a.ep.split(",")]:
         for scale in [int(x) for x in a.scale.split(",")]:
             e = a.experts * scale
@@ -119,8 +127,9 @@ def main(argv=None) -> int:
                 continue
             expert_mb = 2 * e * 3 * 256 * 512 * 4 / 1e6  # 2 MoE layers x E x (3 x d x H) fp32
             row = (f"| {a.label or code.name} | {ep} | {e} | {expert_mb:.0f} | "
-                   f"{max(r['rss_built_mib'] for r in ranks):.0f} | {max(r['rss_peak_mib'] for r in ranks):.0f} | "
-                   f"{max(r['save_s'] for r in ranks):.2f} | {max(r['load_s'] for r in ranks):.2f} | "
+                   f"{max(r['rss_built_mib'] for r in ranks):.0f} | {_most(ranks, 'rss_saved_mib', '.0f')} | "
+                   f"{max(r['rss_peak_mib'] for r in ranks):.0f} | {max(r['save_s'] for r in ranks):.2f} | "
+                   f"{_most(ranks, 'save_cpu_s', '.2f')} | {max(r['load_s'] for r in ranks):.2f} | "
                    f"{max(r['part_bytes'] for r in ranks) / 1e6:.1f} MB |")
             if a.export:
                 peak, secs = export_peak(run_dir / "checkpoints" / "step_1", run_dir / "hf", code)
