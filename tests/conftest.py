@@ -158,12 +158,16 @@ def checkpoint_weights(out_dir: Path, step: int = 5) -> dict:
 
 
 def assert_same_final_weights(one_dir: Path, many_dir: Path, step: int = 5) -> None:
-    """The step's checkpoints (every rank's part, under global names) hold equal weights (rtol 1e-4)."""
+    """The step's checkpoints (every rank's part, under global names) hold equal weights: rtol 1e-4,
+    atol 3e-5, 1% of one Adam step at moe_tiny's lr 3e-3. Adam divides each update by the gradient's
+    own size, so an element whose gradient nearly cancels carries the rounding of the layouts'
+    different reduction orders into its step (seen: one element of 8,192 off by 1.1e-5 after 5
+    steps, on a Zen 3 CPU). A wrong gradient moves weights by about lr per step, 100x this."""
     import torch
     a, b = checkpoint_weights(one_dir, step), checkpoint_weights(many_dir, step)
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=3e-5, msg=k)
 
 
 @pytest.fixture(scope="session", autouse=True)
