@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import math
+import os
 import struct
 from pathlib import Path
 from typing import Any, Mapping, Optional
