@@ -197,6 +197,11 @@ def _field_type(cls, name: str):
     return typing.get_type_hints(cls)[name]
 
 
+def is_number(value) -> bool:
+    """An int or a float, not a bool (YAML's and JSON's true is an int to Python)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _coerce(key: str, value: Any, tp) -> Any:
     """Check `value` against the annotated type `tp`; ints are accepted for floats."""
     origin = typing.get_origin(tp)
@@ -215,7 +220,7 @@ def _coerce(key: str, value: Any, tp) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if is_number(value):
             return float(value)
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
             try:
@@ -445,8 +450,7 @@ def validate(cfg: Config) -> None:
         _require(kind in ("yarn", "llama3", "default"),
                  f"model.rope_scaling.rope_type must be one of yarn, llama3, default, got {kind!r}.")
         for key, value in m.rope_scaling.items():
-            _require(key in ("rope_type", "type", "truncate") or value is None
-                     or (isinstance(value, (int, float)) and not isinstance(value, bool)),
+            _require(key in ("rope_type", "type", "truncate") or value is None or is_number(value),
                      f"model.rope_scaling.{key} must be a number, got {value!r}.")
 
 

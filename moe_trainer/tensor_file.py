@@ -29,7 +29,7 @@ DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torc
 
 
 def _size(shape, dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def header_bytes(tensors: Mapping[str, Any], metadata: Optional[Mapping[str, str]] = None) -> bytes:

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .headline import over_rounds, ratio
+from .headline import over_rounds, ratio, round_summary
 from .turns import free_port, worker_env
 
 COMMON = ["train.dtype=fp32", "train.eval_every=0", "train.checkpoint_every=0", "train.resume=none",
@@ -73,8 +73,7 @@ def compare(codes: dict[str, Path], jobs: list[str], steps: int, warmup: int, ro
                 k = r % len(names)
                 for name in names[k:] + names[:k]:
                     times, tokens = run_job(codes[name], job, steps, Path(tmp) / f"{job_name}_{name}", threads)
-                    timed = sorted(times[warmup:])
-                    per[name].append({"median_s": timed[len(timed) // 2], "steps": len(timed)})
+                    per[name].append(round_summary([{"step_s": t} for t in times], warmup, split=()))
                     if log:
                         log(f"{job_name} round {r + 1}/{rounds} {name}: median step {per[name][-1]['median_s']:.3f} s")
             results[job_name] = {n: over_rounds(per[n], tokens, ()) for n in names}

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from ..config import ConfigError, ModelConfig, config_from_dict
+from ..config import ConfigError, ModelConfig, config_from_dict, is_number
 from .errors import HFFormatError, PathLike
 
 MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "llama": "llama3"}
@@ -71,10 +71,6 @@ def _arch_of(hf: dict) -> str:
                         f"supported: {', '.join(ARCHITECTURES)}.")
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _rope_from_hf(hf: dict, max_position_embeddings: int) -> tuple[float, Optional[dict]]:
     """HF rope_parameters (or the legacy rope_scaling + rope_theta) -> (rope_theta, our rope_scaling)."""
     # transformers lets a legacy rope_scaling override rope_parameters
@@ -87,7 +83,7 @@ def _rope_from_hf(hf: dict, max_position_embeddings: int) -> tuple[float, Option
                             f"{_arch_of(hf)} does not use.")
     params = dict(params)
     theta = params.pop("rope_theta", hf.get("rope_theta", DEFAULT_ROPE_THETA))
-    if not _is_number(theta):
+    if not is_number(theta):
         raise HFFormatError(f"config.json field rope_theta must be a number, got {theta!r}.")
     theta = float(theta)
     kind = params.pop("rope_type", params.pop("type", "default"))
@@ -99,7 +95,7 @@ def _rope_from_hf(hf: dict, max_position_embeddings: int) -> tuple[float, Option
         raise HFFormatError(f"config.json field partial_rotary_factor is {partial!r}; only full rotary (1.0) is "
                             f"supported.")
     for key, value in params.items():
-        if key != "truncate" and value is not None and not _is_number(value):
+        if key != "truncate" and value is not None and not is_number(value):
             raise HFFormatError(f"config.json field {field}.{key} must be a number, got {value!r}.")
     unknown = sorted(set(params) - ROPE_KEYS[kind])
     if unknown:
@@ -112,7 +108,7 @@ def _rope_from_hf(hf: dict, max_position_embeddings: int) -> tuple[float, Option
                                                                             max_position_embeddings))
     for key, value in (("max_position_embeddings", max_position_embeddings),
                        ("original_max_position_embeddings", original)):
-        if not _is_number(value):
+        if not is_number(value):
             raise HFFormatError(f"config.json field {key} must be a number, got {value!r}.")
     if params.get("factor") is None:
         if kind != "yarn":
