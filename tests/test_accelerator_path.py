@@ -213,6 +213,7 @@ def _ep_sync_worker(rank, world, port, dedup, results):
                    for (_, r), m in zip(moe_layers(ref), layers) for w in ("gate_up_proj", "down_proj"))
     results[rank] = {"syncs": counter.syncs, "moe_layers": len(layers), "loss": loss.item() / world,
                      "ref_loss": ref_out.loss.item(), "grads_ok": grads_ok}
+    dist.barrier()  # both ranks done before either tears gloo down (as test_ep_weights / test_shm_alltoall)
     dist.destroy_process_group()
 
 
