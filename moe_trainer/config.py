@@ -133,6 +133,9 @@ class ParallelConfig:
     # expert all-to-alls between CPU ranks (gloo) of one host: shm (through /dev/shm rings; gloo
     # wherever that cannot work) | gloo
     cpu_alltoall: str = "shm"
+    # the pipeline stages' transfers between CPU ranks of one host: shm (through /dev/shm rings; gloo
+    # wherever that cannot work) | gloo (batch_isend_irecv, the calls GPU ranks make on NCCL)
+    cpu_p2p: str = "shm"
     recompute: str = "none"  # none | selective | full
     schedule: str = "1f1b"  # pipeline order: 1f1b (interleaved when virtual_stages > 1) | gpipe (the reference)
     virtual_stages: int = 1  # chunks per pipeline rank (v): rank s holds chunks s, s + pp, ...; > 1: interleaved
@@ -188,6 +191,7 @@ CHOICES = {
     "parallel.recompute": ("none", "selective", "full"),
     "parallel.schedule": ("1f1b", "gpipe"),
     "parallel.cpu_alltoall": ("shm", "gloo"),
+    "parallel.cpu_p2p": ("shm", "gloo"),
 }
 
 

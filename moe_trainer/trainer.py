@@ -32,7 +32,7 @@ from .parallel.comm import (CommCounter, all_reduce_small, count_deepspeed_colle
 from .parallel.context import shard_sequence
 from .parallel.mesh import DeepSpeedMPU, Mesh
 from .parallel.pipeline import PipelineExecutor, Trace, build_stage
-from .kernels.cpu.shm_alltoall import RING_BYTES, SMALL_RING_BYTES
+from .kernels.cpu.shm_alltoall import P2P_RING_BYTES, RING_BYTES, SMALL_RING_BYTES
 from .parallel.parallelize import parallelize
 from .parallel.zero import build_engine, set_lr
 
@@ -91,6 +91,11 @@ class Trainer:
         if shm:
             self._enable_shm_collectives()
         self.pipelined = self.layout.pp > 1
+        if self.pipelined and cfg.parallel.cpu_p2p == "shm" and dist.is_initialized():
+            # the stages' transfers through /dev/shm rings (CPU ranks of one host; a no-op on NCCL); the
+            # stage group's small all-reduces (losses, expert counts) follow them on the same rings, in
+            # the same order on every rank, as on one NCCL communicator
+            enable_shm_transport(mesh.group("pp"), ring_bytes=P2P_RING_BYTES, timeout_s=cfg.parallel.timeout_s)
         if self.pipelined:
             self.model = build_stage(self.model, cfg, mesh.coord["pp"], t.seq_len)
         materialize(self.model, cfg.run.seed, cfg.model.initializer_range)

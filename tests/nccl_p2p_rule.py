@@ -11,7 +11,9 @@ irecv, send, recv and batch_isend_irecv in this process so that gloo obeys that 
   NCCL group call is.
 
 A schedule that would deadlock under NCCL then fails here within STRICT_P2P_TIMEOUT_S seconds with a
-sentence naming the send, instead of passing. Run as a module, it installs the wrapper and runs
+sentence naming the send, instead of passing. It also sets MOE_TRAINER_STRICT_P2P=1, under which the
+pipeline's shared-memory transport (kernels/cpu/shm_alltoall.py, `exchange`) holds each send until
+its receiver has taken it; an order that deadlocks there fails after parallel.timeout_s. Run as a module, it installs the wrapper and runs
 moe_trainer.train with the same arguments (tests/conftest.py's `launch` does this for every
 multi-rank job).
 """
@@ -36,6 +38,9 @@ def install(timeout_s: float = TIMEOUT_S) -> None:
 
     if getattr(c10d, "_strict_p2p_installed", False):
         return
+    # the pipeline's shared-memory transport between CPU ranks (parallel.cpu_p2p=shm) keeps the same
+    # rule itself when asked: each send waits until its receiver has taken it
+    os.environ["MOE_TRAINER_STRICT_P2P"] = "1"
     orig = {name: getattr(c10d, name) for name in ("isend", "irecv", "send", "recv", "batch_isend_irecv")}
     sent, posted = defaultdict(int), defaultdict(int)  # (src, dst) -> messages so far
     inside = threading.local()

@@ -1,6 +1,8 @@
 """Pipeline parallelism (our 1F1B executor around the DeepSpeed ZeRO-1 engine)
 against one rank: the same losses and gradient norms before clipping for 5 steps,
-and the same final weights."""
+and the same final weights. Every multi-rank job runs under NCCL's point-to-point rule
+(tests/nccl_p2p_rule.py): on gloo's batch_isend_irecv where a case sets parallel.cpu_p2p=gloo,
+else on the shared-memory rings, which keep the rule themselves under it."""
 import pytest
 
 from conftest import TINY, assert_same_final_weights, assert_same_steps, check, launch, read_metrics
@@ -14,8 +16,10 @@ CASES = {
     "pp2": (2, ["parallel.pp=2"], []),
     "pp2_mtp": (2, ["parallel.pp=2"], MTP),
     "pp2_ep2": (4, ["parallel.pp=2", "parallel.ep=2"], []),
-    # stages 0 and 1 hold only dense layers (no MoE state there)
-    "pp4_dense_stages": (4, ["parallel.pp=4", "parallel.pp_partition=[1, 1, 1, 1]"], FOUR_LAYERS),
+    # stages 0 and 1 hold only dense layers (no MoE state there); the stages' transfers through
+    # torch.distributed's batch_isend_irecv (the GPU's path; the other cases use the shared-memory rings)
+    "pp4_dense_stages": (4, ["parallel.pp=4", "parallel.pp_partition=[1, 1, 1, 1]", "parallel.cpu_p2p=gloo"],
+                         FOUR_LAYERS),
     # DeepSeek-V3's 3D layout in small: pipeline x data parallel with EP inside each stage's dp ranks
     "pp2_dp4_ep2": (8, ["parallel.pp=2", "parallel.ep=2"], []),
 }
@@ -45,8 +49,9 @@ INTERLEAVED = {
     # 4 chunks of 1 layer over 2 ranks (rank 0: layers 0 and 2), EP inside each stage, MTP on the last chunk
     "pp2_v2_ep2_mtp": (4, "configs/moe_tiny.yaml", TINY + FOUR_LAYERS + MTP,
                        ["parallel.pp=2", "parallel.virtual_stages=2", "parallel.ep=2"]),
+    # through batch_isend_irecv, as on GPUs (the others: the shared-memory rings, under the same rule)
     "pp4_v2": (4, "configs/moe_tiny.yaml", TINY + ["model.num_hidden_layers=8"],
-               ["parallel.pp=4", "parallel.virtual_stages=2"]),
+               ["parallel.pp=4", "parallel.virtual_stages=2", "parallel.cpu_p2p=gloo"]),
     "llama3_tp2_pp2_v2": (4, "configs/llama3_tiny.yaml", DENSE,
                           ["parallel.tp=2", "parallel.pp=2", "parallel.virtual_stages=2"]),
 }

@@ -67,6 +67,11 @@ def use_shm_transport(group, transport) -> None:
         _SHM_TRANSPORTS[group] = transport
 
 
+def shm_transport(group) -> Optional[ShmAllToAll]:
+    """The group's shared-memory transport, None if its calls go to the process group."""
+    return _SHM_TRANSPORTS.get(group) if group is not None else None
+
+
 def enable_shm_transport(group, ring_bytes: int = RING_BYTES, timeout_s: float = 300.0) -> bool:
     """Collective over `group` (None = the world): on a gloo group whose ranks can all use shared
     memory, route its calls through it. True if they now do."""

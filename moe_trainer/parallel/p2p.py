@@ -111,14 +111,26 @@ def comm_plan(units: list[list[Op]], peers: Peers) -> list[tuple[list[Transfer],
 
 class PeerExchange:
     """Posts a batch of transfers as one batch_isend_irecv and waits for it. On CUDA the wait
-    orders the compute stream after the transfers (no host sync); on gloo it blocks the host."""
+    orders the compute stream after the transfers (no host sync); on gloo it blocks the host.
+
+    CPU ranks of one host may pass `transport`, the pipeline group's shared-memory rings
+    (kernels/cpu/shm_alltoall.py, `exchange`): the same batch as one call there, matched per pair
+    of ranks in the same order, with a memcpy on each side instead of gloo's loopback TCP, whose
+    copies and socket calls take the cores that compute. Its sends complete once in the ring
+    (gloo's and NCCL's below its buffer size do too); under MOE_TRAINER_STRICT_P2P=1 (the tests)
+    only once the receiver took them, NCCL's rule for large ones. `ranks`: the group's global
+    ranks in group order."""
 
     def __init__(self, shape: tuple, dtype: torch.dtype, device: torch.device, counter=None,
-                 record: Optional[Callable] = None, clock=None):
+                 record: Optional[Callable] = None, clock=None, transport=None, ranks: Optional[list[int]] = None):
         self.shape, self.dtype, self.device = shape, dtype, device
         self.counter = counter  # a CommCounter: bytes of every send ("pp_send") and receive ("pp_recv")
         self.record = record  # trace hook: (kind, micro, start mark, end mark, chunk) per transfer
         self.clock = clock or StepClock(device)  # marks: CUDA events on a GPU, read after the step's sync
+        self.transport = transport if device.type == "cpu" else None
+        self.group_rank = {g: i for i, g in enumerate(ranks or [])}
+        if self.transport is not None and not self.group_rank:
+            raise ValueError("PeerExchange: a shared-memory transport needs the group's ranks")
 
     def run(self, batch: list[Transfer], outgoing: dict) -> dict:
         """Sends outgoing[transfer.key] for each send of the batch; returns {transfer.key: tensor}
@@ -126,19 +138,25 @@ class PeerExchange:
         if not batch:
             return {}
         t0 = self.clock.mark()
-        p2p, received = [], {}
+        sends, recvs, received = [], [], {}
         for tr in batch:
             if tr.send:
-                t = outgoing.pop(tr.key).contiguous()
-                p2p.append(dist.P2POp(dist.isend, t, tr.peer))
+                sends.append((tr.peer, outgoing.pop(tr.key).contiguous()))
             else:
                 t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 received[tr.key] = t
-                p2p.append(dist.P2POp(dist.irecv, t, tr.peer))
-        for work in dist.batch_isend_irecv(p2p):
-            work.wait()
+                recvs.append((tr.peer, t))
+        if self.transport is not None:
+            self.transport.exchange([(self.group_rank[peer], t) for peer, t in sends],
+                                    [(self.group_rank[peer], t) for peer, t in recvs])
+        else:
+            p2p = [dist.P2POp(dist.isend, t, peer) for peer, t in sends] + \
+                [dist.P2POp(dist.irecv, t, peer) for peer, t in recvs]
+            for work in dist.batch_isend_irecv(p2p):
+                work.wait()
         t1 = self.clock.mark()
-        nbytes = p2p[0].tensor.numel() * p2p[0].tensor.element_size()
+        some = (sends or recvs)[0][1]
+        nbytes = some.numel() * some.element_size()
         for tr in batch:
             direction = "send" if tr.send else "recv"
             if self.record is not None:

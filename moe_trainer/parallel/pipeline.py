@@ -30,6 +30,7 @@ from torch import nn
 from ..config import ConfigError, ModelConfig
 from ..metrics import StepClock
 from ..models.lm import LMOutput, add_aux
+from .comm import shm_transport
 from .p2p import PeerExchange, chunk_peers, comm_plan
 
 # ----------------------------------------------------------------------------- partition (pure)
@@ -378,7 +379,9 @@ class PipelineExecutor:
         self.peers = chunk_peers(s, pp, self.v, mesh.members["pp"])
         self.trace = trace or Trace()
         self.meter = meter
-        self.exchange = PeerExchange(carried_shape, dtype, device, counter, self.trace.record, self.clock)
+        # CPU ranks of one host: through the pipeline group's shared-memory rings when it has them
+        self.exchange = PeerExchange(carried_shape, dtype, device, counter, self.trace.record, self.clock,
+                                     transport=shm_transport(mesh.group("pp")), ranks=mesh.members["pp"])
         self.poison = False  # fault drill: make this step's loss NaN on the last stage
 
     def _run(self, units: list, run_op: Callable, res: Optional[StepResult] = None) -> None:

@@ -10,7 +10,10 @@ briefly, then sleeps on a futex in its file that a peer rings after changing one
 with more ranks than cores (4 ranks on 2 here) a spinning rank would hold the core the peer it
 waits for needs.
 
-The same rings carry the trainer's small per-step all-reduces (losses, expert counts, the noise
+The same rings carry the pipeline's point-to-point transfers between the stages (`exchange`: a
+batch of sends and receives as one group call; with MOE_TRAINER_STRICT_P2P=1 each send is held
+until its receiver has taken it, as NCCL holds a large one), and the trainer's small per-step
+all-reduces (losses, expert counts, the noise
 scale's norms), which on gloo cost as much as an all-to-all each.
 
 `ShmAllToAll.create(group)` returns None (and the caller stays on gloo) unless every rank of the
@@ -35,6 +38,9 @@ from . import extension as cpu_kernels
 # Bytes per ring (one per destination rank in each rank's file): MoE exchanges of a few MB stream
 # through in a few passes, and a world of 8 ranks maps 8 x 8 x 4 MB = 256 MB of /dev/shm.
 RING_BYTES = 4 << 20
+# for the pipeline group's point-to-point: a send waits for its receiver anyway (NCCL's rule), so a
+# ring only has to keep both copies going; larger activations stream through it
+P2P_RING_BYTES = 2 << 20
 # for groups that only carry the trainer's small all-reduces (a few KB per step)
 SMALL_RING_BYTES = 64 << 10
 # all_reduce_ of at most this many bytes gathers every rank's copy (one exchange); larger ones
@@ -49,6 +55,12 @@ GATHER_ALL_BYTES = 64 << 10
 # waits for needs, so it sleeps almost at once. MOE_TRAINER_SHM_SPIN_US overrides both.
 SPIN_S_OWN_CORE = 5e-3
 SPIN_S_SHARED_CORE = 20e-6
+
+
+def strict_p2p() -> bool:
+    """Whether point-to-point sends wait for their receivers (MOE_TRAINER_STRICT_P2P=1: NCCL's rule
+    for sends larger than its buffers, which a pipeline's activations at scale are)."""
+    return os.environ.get("MOE_TRAINER_STRICT_P2P", "0") == "1"
 
 
 def spin_seconds(group_world: int) -> float:
@@ -109,6 +121,21 @@ class ShmAllToAll:
         row = x.element_size() * math.prod(x.shape[1:])
         self.ops.shm_all_to_all(self.handle, _bytes(x), [n * row for n in in_splits], _bytes(out),
                                 [n * row for n in out_splits], self.timeout_s, self.spin_s)
+
+    def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
+                 rendezvous: Optional[bool] = None) -> None:
+        """Point-to-point as one NCCL group call (dist.batch_isend_irecv, waited): each (peer, tensor)
+        of `sends` goes to that rank of the group, each of `recvs` is filled from it. Transfers
+        between two ranks match in the order they are listed, call after call. A send completes
+        once it is in the ring, as NCCL's sends do while they fit its buffers (and gloo's always);
+        with `rendezvous` (default: MOE_TRAINER_STRICT_P2P=1, which the tests set) only once its
+        receiver has taken it: NCCL's rule for large messages, so an order that deadlocks on GPUs
+        fails here after timeout_s instead of passing."""
+        if rendezvous is None:
+            rendezvous = strict_p2p()
+        self.ops.shm_exchange(self.handle, [_bytes(t) for _, t in sends], [peer for peer, _ in sends],
+                              [_bytes(t) for _, t in recvs], [peer for peer, _ in recvs], rendezvous,
+                              self.timeout_s, self.spin_s)
 
     # ------------------------------------------------------------------ collectives on top
     # Every reduction is done by one rank per element, adding the ranks' copies in rank order

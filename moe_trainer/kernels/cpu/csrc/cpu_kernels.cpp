@@ -1030,36 +1030,61 @@ void ring_bell(Doorbell* d) {
     syscall(SYS_futex, reinterpret_cast<uint32_t*>(&d->seq), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-// all_to_all_single over bytes: send holds the chunks for ranks 0..world-1 back to back
-// (send_bytes[j] each), recv receives recv_bytes[j] from each rank j in rank order.
+// One direction of traffic with one peer in one call: the bytes for (or from) `peer`, in the
+// buffers `parts` back to back. A stream streams through the ring between this rank and the peer,
+// so messages on one ring arrive in the order they were written and are read in the order the
+// receiver lists them (as NCCL matches point-to-point operations between two ranks).
+struct Stream {
+  int64_t peer = 0;
+  bool send = false;
+  std::vector<std::pair<char*, int64_t>> parts;
+  int64_t total = 0, moved = 0;  // bytes in all parts, bytes copied so far
+  size_t part = 0;               // the part being copied, and the offset in it
+  int64_t offset = 0;
+  int64_t until = -1;            // rendezvous send: the ring position the peer must consume past
+};
+
+// Copies n bytes between the stream's next bytes and the ring `data` (capacity cap) at ring
+// position pos, wrapping around the ring and stepping over the stream's parts.
+void pump(Stream& s, char* data, int64_t cap, int64_t pos, int64_t n) {
+  while (n > 0) {
+    while (s.offset == s.parts[s.part].second) {  // this part is done (or empty): the next one
+      ++s.part;
+      s.offset = 0;
+    }
+    auto& [buf, len] = s.parts[s.part];
+    const int64_t at = pos % cap;
+    const int64_t k = std::min({n, len - s.offset, cap - at});
+    if (s.send) std::memcpy(data + at, buf + s.offset, k);
+    else std::memcpy(buf + s.offset, data + at, k);
+    pos += k;
+    n -= k;
+    s.moved += k;
+    s.offset += k;
+  }
+}
+
+// Runs `streams` (at most one per peer and direction) to completion: writes what fits into each
+// send ring, takes what arrived from each receive ring, until every stream has moved its bytes.
+// With `rendezvous` a send completes only once the peer has consumed it, i.e. posted the matching
+// receive: NCCL's rule for point-to-point, so an order that would deadlock on GPUs waits here too
+// (and fails after timeout_s) instead of passing on buffered rings.
 // A rank with nothing to do spins for spin_s, then sleeps on its doorbell until a peer rings it:
 // where ranks outnumber cores, a spinning rank takes the core that the peer it waits for needs.
-void shm_all_to_all(int64_t handle, torch::Tensor send, std::vector<int64_t> send_bytes, torch::Tensor recv,
-                    std::vector<int64_t> recv_bytes, double timeout_s, double spin_s) {
-  ShmChannel& ch = shm_channel(handle);
+void run_streams(ShmChannel& ch, std::vector<Stream>& streams, bool rendezvous, double timeout_s, double spin_s,
+                 const char* what) {
   const int64_t W = ch.world, me = ch.rank, cap = ch.capacity;
-  TORCH_CHECK(static_cast<int64_t>(send_bytes.size()) == W && static_cast<int64_t>(recv_bytes.size()) == W,
-              "shm all-to-all: one split per rank");
-  TORCH_CHECK(send.is_contiguous() && recv.is_contiguous() && send.scalar_type() == torch::kUInt8 &&
-                  recv.scalar_type() == torch::kUInt8, "shm all-to-all: contiguous uint8 buffers");
-  std::vector<int64_t> send_off(W + 1, 0), recv_off(W + 1, 0);
-  for (int64_t j = 0; j < W; ++j) {
-    TORCH_CHECK(send_bytes[j] >= 0 && recv_bytes[j] >= 0, "shm all-to-all: negative split");
-    send_off[j + 1] = send_off[j] + send_bytes[j];
-    recv_off[j + 1] = recv_off[j] + recv_bytes[j];
-  }
-  TORCH_CHECK(send_off[W] == send.numel() && recv_off[W] == recv.numel(), "shm all-to-all: splits != buffer sizes");
-  TORCH_CHECK(send_bytes[me] == recv_bytes[me], "shm all-to-all: the chunk to self must match what self receives");
-  const char* src = reinterpret_cast<const char*>(send.data_ptr());
-  char* dst = reinterpret_cast<char*>(recv.data_ptr());
-  pybind11::gil_scoped_release no_gil;
-  if (send_bytes[me]) std::memcpy(dst + recv_off[me], src + send_off[me], send_bytes[me]);
-  std::vector<int64_t> sent(W, 0), got(W, 0);
+  for (const Stream& s : streams)
+    for (const auto& [buf, len] : s.parts) TORCH_CHECK(len >= 0, what, ": negative size");
   std::vector<char> woke(W, 0);  // peers whose rings changed in this pass: ring their bells after it
-  sent[me] = send_bytes[me];
-  got[me] = recv_bytes[me];
+  auto complete = [&](const Stream& s) {
+    if (s.moved < s.total) return false;
+    if (!s.send || !rendezvous || s.total == 0) return true;
+    return ch.ring(me, s.peer)->tail.value.load(std::memory_order_acquire) >= s.until;
+  };
+  std::vector<char> done(streams.size());
   int64_t pending = 0;
-  for (int64_t j = 0; j < W; ++j) pending += (sent[j] < send_bytes[j]) + (got[j] < recv_bytes[j]);
+  for (size_t i = 0; i < streams.size(); ++i) pending += !(done[i] = complete(streams[i]));
   Doorbell* mine = ch.bell(me);
   auto last_progress = std::chrono::steady_clock::now();
   int64_t idle = 0;
@@ -1068,37 +1093,37 @@ void shm_all_to_all(int64_t handle, torch::Tensor send, std::vector<int64_t> sen
     // below returns at once instead of missing it
     const uint32_t seq = mine->seq.load(std::memory_order_seq_cst);
     bool progress = false;
-    for (int64_t j = 0; j < W; ++j) {
-      if (sent[j] < send_bytes[j]) {  // my ring to j: write what fits
+    for (size_t i = 0; i < streams.size(); ++i) {
+      if (done[i]) continue;
+      Stream& s = streams[i];
+      const int64_t j = s.peer;
+      if (s.send && s.moved < s.total) {  // my ring to j: write what fits
         RingHeader* r = ch.ring(me, j);
-        int64_t head = r->head.value.load(std::memory_order_relaxed);
-        int64_t room = cap - (head - r->tail.value.load(std::memory_order_acquire));
-        int64_t n = std::min(room, send_bytes[j] - sent[j]);
+        const int64_t head = r->head.value.load(std::memory_order_relaxed);
+        const int64_t room = cap - (head - r->tail.value.load(std::memory_order_acquire));
+        const int64_t n = std::min(room, s.total - s.moved);
         if (n > 0) {
-          int64_t at = head % cap, first = std::min(n, cap - at);
-          std::memcpy(ch.data(me, j) + at, src + send_off[j] + sent[j], first);
-          if (n > first) std::memcpy(ch.data(me, j), src + send_off[j] + sent[j] + first, n - first);
+          pump(s, ch.data(me, j), cap, head, n);
           r->head.value.store(head + n, std::memory_order_release);
-          sent[j] += n;
-          pending -= sent[j] == send_bytes[j];
+          if (s.moved == s.total) s.until = head + n;
           progress = true;
           woke[j] = 1;
         }
-      }
-      if (got[j] < recv_bytes[j]) {  // j's ring to me: take what arrived
+      } else if (!s.send) {  // j's ring to me: take what arrived
         RingHeader* r = ch.ring(j, me);
-        int64_t tail = r->tail.value.load(std::memory_order_relaxed);
-        int64_t n = std::min(r->head.value.load(std::memory_order_acquire) - tail, recv_bytes[j] - got[j]);
+        const int64_t tail = r->tail.value.load(std::memory_order_relaxed);
+        const int64_t n = std::min(r->head.value.load(std::memory_order_acquire) - tail, s.total - s.moved);
         if (n > 0) {
-          int64_t at = tail % cap, first = std::min(n, cap - at);
-          std::memcpy(dst + recv_off[j] + got[j], ch.data(j, me) + at, first);
-          if (n > first) std::memcpy(dst + recv_off[j] + got[j] + first, ch.data(j, me), n - first);
+          pump(s, ch.data(j, me), cap, tail, n);
           r->tail.value.store(tail + n, std::memory_order_release);
-          got[j] += n;
-          pending -= got[j] == recv_bytes[j];
           progress = true;
-          woke[j] = 1;  // j may be waiting for room
+          woke[j] = 1;  // j may be waiting for room, or for its rendezvous
         }
+      }
+      if (complete(s)) {
+        done[i] = 1;
+        --pending;
+        progress = true;
       }
     }
     if (progress) {
@@ -1124,19 +1149,105 @@ void shm_all_to_all(int64_t handle, torch::Tensor send, std::vector<int64_t> sen
       else cpu_relax();
       continue;
     }
-    if (waited > timeout_s)
-      throw std::runtime_error("shm all-to-all: rank " + std::to_string(me) + " waited " +
-                               std::to_string(static_cast<int64_t>(waited)) +
-                               " s for a peer that neither sent nor received (did a rank fail or skip a collective?)");
+    if (waited > timeout_s) {
+      std::string peers;
+      for (size_t i = 0; i < streams.size(); ++i)
+        if (!done[i])
+          peers += (peers.empty() ? "" : ", ") + std::string(streams[i].send ? "send to " : "receive from ") +
+                   "rank " + std::to_string(streams[i].peer);
+      throw std::runtime_error(std::string(what) + ": rank " + std::to_string(me) + " waited " +
+                               std::to_string(static_cast<int64_t>(waited)) + " s (" + peers +
+                               ") for a peer that neither sent nor received (did a rank fail or skip a " +
+                               (rendezvous ? "matching transfer? under NCCL this order deadlocks)" : "collective?)"));
+    }
     if (waited > 0.01)
-      for (int64_t j = 0; j < static_cast<int64_t>(ch.pids.size()); ++j)  // a dead peer ends the wait now
-        if ((sent[j] < send_bytes[j] || got[j] < recv_bytes[j]) && process_gone(ch.pids[j]))
-          throw std::runtime_error("shm all-to-all: rank " + std::to_string(j) + " (pid " +
+      for (size_t i = 0; i < streams.size(); ++i) {  // a dead peer ends the wait now
+        const int64_t j = streams[i].peer;
+        if (!done[i] && j < static_cast<int64_t>(ch.pids.size()) && process_gone(ch.pids[j]))
+          throw std::runtime_error(std::string(what) + ": rank " + std::to_string(j) + " (pid " +
                                    std::to_string(ch.pids[j]) + ") has exited");
+      }
     mine->sleepers.fetch_add(1, std::memory_order_seq_cst);
     futex_sleep(&mine->seq, seq, waited > 0.01 ? 10000000 : 2000000);
     mine->sleepers.fetch_sub(1, std::memory_order_seq_cst);
   }
+}
+
+char* byte_buffer(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == torch::kUInt8, what,
+              ": contiguous uint8 CPU buffers");
+  return reinterpret_cast<char*>(t.data_ptr());
+}
+
+// all_to_all_single over bytes: send holds the chunks for ranks 0..world-1 back to back
+// (send_bytes[j] each), recv receives recv_bytes[j] from each rank j in rank order.
+void shm_all_to_all(int64_t handle, torch::Tensor send, std::vector<int64_t> send_bytes, torch::Tensor recv,
+                    std::vector<int64_t> recv_bytes, double timeout_s, double spin_s) {
+  const char* what = "shm all-to-all";
+  ShmChannel& ch = shm_channel(handle);
+  const int64_t W = ch.world, me = ch.rank;
+  TORCH_CHECK(static_cast<int64_t>(send_bytes.size()) == W && static_cast<int64_t>(recv_bytes.size()) == W,
+              what, ": one split per rank");
+  char* src = byte_buffer(send, what);
+  char* dst = byte_buffer(recv, what);
+  std::vector<int64_t> send_off(W + 1, 0), recv_off(W + 1, 0);
+  for (int64_t j = 0; j < W; ++j) {
+    TORCH_CHECK(send_bytes[j] >= 0 && recv_bytes[j] >= 0, what, ": negative split");
+    send_off[j + 1] = send_off[j] + send_bytes[j];
+    recv_off[j + 1] = recv_off[j] + recv_bytes[j];
+  }
+  TORCH_CHECK(send_off[W] == send.numel() && recv_off[W] == recv.numel(), what, ": splits != buffer sizes");
+  TORCH_CHECK(send_bytes[me] == recv_bytes[me], what, ": the chunk to self must match what self receives");
+  std::vector<Stream> streams;
+  for (int64_t j = 0; j < W; ++j) {
+    if (j == me) continue;
+    for (bool out : {true, false}) {
+      const int64_t n = out ? send_bytes[j] : recv_bytes[j];
+      if (n == 0) continue;
+      Stream s;
+      s.peer = j;
+      s.send = out;
+      s.parts.emplace_back(out ? src + send_off[j] : dst + recv_off[j], n);
+      s.total = n;
+      streams.push_back(std::move(s));
+    }
+  }
+  pybind11::gil_scoped_release no_gil;
+  if (send_bytes[me]) std::memcpy(dst + recv_off[me], src + send_off[me], send_bytes[me]);
+  run_streams(ch, streams, false, timeout_s, spin_s, what);
+}
+
+// Point-to-point, as one NCCL group call: sends[i] goes to rank send_peers[i], recvs[i] is filled
+// from rank recv_peers[i]; transfers between two ranks match in list order (across calls too).
+// A send completes once its bytes are in the ring (as NCCL's do while they fit its buffers), or with
+// `rendezvous` only once its receiver has taken them (NCCL's rule for large messages).
+void shm_exchange(int64_t handle, std::vector<torch::Tensor> sends, std::vector<int64_t> send_peers,
+                  std::vector<torch::Tensor> recvs, std::vector<int64_t> recv_peers, bool rendezvous,
+                  double timeout_s, double spin_s) {
+  const char* what = "shm point-to-point";
+  ShmChannel& ch = shm_channel(handle);
+  TORCH_CHECK(sends.size() == send_peers.size() && recvs.size() == recv_peers.size(), what, ": one peer per buffer");
+  std::vector<Stream> streams;
+  std::vector<int64_t> index(2 * ch.world, -1);  // (peer, direction) -> its stream
+  auto add = [&](const torch::Tensor& t, int64_t peer, bool out) {
+    TORCH_CHECK(peer >= 0 && peer < ch.world && peer != ch.rank, what, ": rank ", ch.rank,
+                " cannot exchange with rank ", peer, " (a group of ", ch.world, ")");
+    const int64_t key = 2 * peer + (out ? 1 : 0);
+    if (index[key] < 0) {
+      index[key] = static_cast<int64_t>(streams.size());
+      Stream s;
+      s.peer = peer;
+      s.send = out;
+      streams.push_back(std::move(s));
+    }
+    Stream& s = streams[index[key]];
+    s.parts.emplace_back(byte_buffer(t, what), t.numel());
+    s.total += t.numel();
+  };
+  for (size_t i = 0; i < sends.size(); ++i) add(sends[i], send_peers[i], true);
+  for (size_t i = 0; i < recvs.size(); ++i) add(recvs[i], recv_peers[i], false);
+  pybind11::gil_scoped_release no_gil;
+  run_streams(ch, streams, rendezvous, timeout_s, spin_s, what);
 }
 
 }  // namespace
@@ -1163,4 +1274,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shm_channel_unlink", &shm_channel_unlink, "remove this rank's file name");
   m.def("shm_channel_close", &shm_channel_close, "unmap and forget a channel");
   m.def("shm_all_to_all", &shm_all_to_all, "all_to_all_single over bytes through the rings (spin, then sleep)");
+  m.def("shm_exchange", &shm_exchange, "point-to-point sends and receives as one group call (eager, or NCCL's rendezvous rule)");
 }
