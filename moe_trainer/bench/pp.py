@@ -11,11 +11,15 @@ memory     one process: every stage of a P-stage split (the stage's own layers, 
            F/B order for m micro-batches under saved-tensor hooks; peak saved-activation bytes per stage
            under GPipe order and under 1F1B. Optionally (--real-gpipe) the trainer run with
            parallel.schedule=gpipe, to check which order it actually executed.
+schedule   the executor itself on stages whose forward and backward take a fixed time without using a core
+           (pp_schedule.py), over the shared-memory rings (eager, or under NCCL's rule) and gloo: the bubble of
+           the schedule and the transport alone, next to (p-1)/(v m+p-1).
 recompute  one process: for parallel.recompute none | selective | full, the largest micro-batch whose peak
            saved-activation bytes fit a fixed budget, and training tokens/s at that micro-batch
            (forward + backward + AdamW step, median of a few steps).
 
-Usage: python -m moe_trainer.bench.pp [--parts bubble,memory,recompute] [--pps 2,4] [--ms 1,4,8,16]
+Usage: python -m moe_trainer.bench.pp [--parts bubble,memory,recompute,interleaved,schedule] [--pps 2,4]
+                                      [--vs 1,2,4] [--ms 1,4,8,16] [--transports shm,shm-strict,gloo]
                                       [--out JSON] [--timeline PNG]
 
 This module runs the trainer (bubble, interleaved, --real-gpipe) and is the command; the
@@ -40,6 +44,7 @@ import torch
 
 from .pp_memory import (CONFIG, INTERLEAVED_LAYERS, ROOT, bench_memory, bench_recompute, chunk_peaks, memory_table,
                         recompute_table)
+from .pp_schedule import TRANSPORTS, bench_schedule, schedule_table
 
 # the trainer runs of the bubble part: moe_tiny (hidden 256, 1 dense + 3 MoE layers), short sequences
 BUBBLE_SET = ["train.seq_len=128", "train.micro_batch_size=2", "train.max_steps=3", "train.warmup_steps=1",
@@ -91,6 +96,63 @@ def replay_bubble(events: list[list[dict]], schedule: str = "1f1b", chunks: int 
     span = max(clock)
     busy = [sum(d.values()) for d in dur]
     return sum(1.0 - b / span for b in busy) / pp
+
+
+def executor_bubble(events: list[list[dict]], schedule: str = "1f1b", chunks: int = 1, strict: bool = True) -> float:
+    """Bubble of the executor's own batches replayed with each stage's measured compute-box durations.
+
+    Each rank runs p2p.comm_plan's sequence: post a batch, wait until it completes, run the operation.
+    Transfers take no time, but a batch holds its rank until each transfer in it meets its partner: under
+    NCCL's rule (`strict`) a transfer completes once both ends are posted; eager (gloo, the shared-memory
+    rings, NCCL below its buffer size) a send completes when posted and a receive once its send was.
+    replay_bubble lets every operation start once its input exists; here a rank also waits for what its
+    batch pairs with that input (the receive of a later backward, the peer of a send), so a slow box
+    delays the ranks it shares batches with. With equal boxes both give (p-1)/(v m+p-1)."""
+    from ..parallel.p2p import chunk_peers, comm_plan
+    from ..parallel.pipeline import schedule_units
+    pp = len(events)
+    dur = [{("F" if e["kind"] == "forward" else "B", e["micro"], e.get("chunk", 0)): e["end"] - e["start"]
+            for e in ev if e["kind"] in ("forward", "backward")} for ev in events]
+    m = sum(1 for k in dur[0] if k[0] == "F") // chunks
+    plans, count = [], {}
+    for s in range(pp):
+        plan = []
+        for batch, op in comm_plan(schedule_units(schedule, s, pp, m, chunks), chunk_peers(s, pp, chunks, list(range(pp)))):
+            keys = []
+            for t in batch:  # the n-th transfer on channel src -> dst meets the n-th posted for it
+                src, dst = (s, t.peer) if t.send else (t.peer, s)
+                n = count[(src, dst, t.send)] = count.get((src, dst, t.send), -1) + 1
+                keys.append((src, dst, n, t.send))
+            plan.append((keys, op))
+        plans.append(plan)
+    posted: dict = {}
+    pos, clock = [0] * pp, [0.0] * pp
+    while any(pos[s] < len(plans[s]) for s in range(pp)):
+        moved = False
+        for s in range(pp):
+            while pos[s] < len(plans[s]):
+                keys, op = plans[s][pos[s]]
+                for k in keys:
+                    posted.setdefault(k, clock[s])
+                done = []
+                for src, dst, n, send in keys:
+                    partner = (src, dst, n, not send)
+                    if strict or not send:
+                        if partner not in posted:
+                            break
+                        done.append(max(posted[partner], posted[(src, dst, n, send)]))
+                    else:
+                        done.append(posted[(src, dst, n, send)])
+                else:
+                    clock[s] = max([clock[s]] + done) + (dur[s][op] if op is not None else 0.0)
+                    pos[s] += 1
+                    moved = True
+                    continue
+                break
+        if not moved:
+            raise RuntimeError("executor replay deadlocked")
+    span = max(clock)
+    return sum(1.0 - sum(d.values()) / span for d in dur) / pp
 
 
 def _env(threads: int = 1) -> dict:
@@ -180,9 +242,11 @@ def bubble_table(rows: list[dict]) -> str:
 # ----------------------------------------------------------------------------- interleaved (virtual stages)
 
 
-def bench_interleaved(pps: list[int], vs: list[int], ms: list[int], mbs: int, seq: int, tmp: Path) -> list[dict]:
-    """The trainer with parallel.virtual_stages=v: measured bubble (trace), the compute-only replay and
-    (p-1)/(v m+p-1); and every rank's peak saved-activation bytes under that order (one process)."""
+def bench_interleaved(pps: list[int], vs: list[int], ms: list[int], mbs: int, seq: int, tmp: Path,
+                      p2p: str = "shm") -> list[dict]:
+    """The trainer with parallel.virtual_stages=v (its stages' transfers through `p2p`: shm or gloo):
+    measured bubble (trace), the compute-only replay, the executor's batches replayed under NCCL's rule
+    and (p-1)/(v m+p-1); and every rank's peak saved-activation bytes under that order (one process)."""
     from ..parallel.pipeline import one_f_one_b
     from ..pipeline_trace import executed_order
     rows = []
@@ -194,11 +258,12 @@ def bench_interleaved(pps: list[int], vs: list[int], ms: list[int], mbs: int, se
                 if m % pp:
                     continue
                 r = run_trainer(pp, m, mbs, tmp / f"pp{pp}_v{v}_m{m}", v=v,
-                                extra=(f"model.num_hidden_layers={INTERLEAVED_LAYERS}",))
+                                extra=(f"model.num_hidden_layers={INTERLEAVED_LAYERS}", f"parallel.cpu_p2p={p2p}"))
                 tr, ev = r["trace"], r["trace"]["events"]
                 peaks = chunk_peaks(pp, v, m, mbs, seq)
                 row = {"pp": pp, "v": v, "m": m, "theoretical": tr["theoretical_bubble"],
                        "measured": tr["measured_bubble"], "compute_only": replay_bubble(ev, chunks=v),
+                       "executor_model": executor_bubble(ev, chunks=v), "p2p": p2p,
                        "step_time_s": r["step_time_s"], "peak_in_flight": tr["peak_in_flight"],
                        "peak_act_mib": [x / 2 ** 20 for x in peaks],
                        "order_ok": all(executed_order(s) == one_f_one_b(i, pp, m, v) for i, s in enumerate(ev))}
@@ -208,11 +273,13 @@ def bench_interleaved(pps: list[int], vs: list[int], ms: list[int], mbs: int, se
 
 
 def interleaved_table(rows: list[dict]) -> str:
-    out = ["| pp | v | m | (p-1)/(v m+p-1) | measured | compute-only replay | step s | "
-           "chunk activations in flight per rank | peak saved MiB per rank |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| pp | v | m | (p-1)/(v m+p-1) | measured | compute-only replay | executor replay | step s | "
+           "chunk activations in flight per rank | peak saved MiB per rank |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['pp']} | {r['v']} | {r['m']} | {100 * r['theoretical']:.1f}% | {100 * r['measured']:.1f}% | "
-                   f"{100 * r['compute_only']:.1f}% | {r['step_time_s']:.2f} | {r['peak_in_flight']} | "
+                   f"{100 * r['compute_only']:.1f}% | {100 * r['executor_model']:.1f}% | {r['step_time_s']:.2f} | "
+                   f"{r['peak_in_flight']} | "
                    f"{', '.join(f'{x:.1f}' for x in r['peak_act_mib'])} |")
     return "\n".join(out)
 
@@ -253,6 +320,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-mbs", type=int, default=64)
     ap.add_argument("--steps", type=int, default=4, help="training steps per recompute measurement")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the in-process parts")
+    ap.add_argument("--p2p", default="shm", choices=("shm", "gloo"),
+                    help="interleaved part: the trainer's parallel.cpu_p2p")
+    ap.add_argument("--transports", default=",".join(TRANSPORTS),
+                    help="point-to-point of the schedule part: shm, shm-strict (NCCL's rule), gloo")
+    ap.add_argument("--stage-ms", type=float, default=60.0,
+                    help="schedule part: a stage's forward (ms), split over its v chunks; backward 2x")
+    ap.add_argument("--steps-schedule", type=int, default=6, help="schedule part: executor steps per run")
     ap.add_argument("--out", default="", help="write every row as JSON here")
     ap.add_argument("--timeline", default="", help="copy the largest-pp m=8 trace PNG here")
     a = ap.parse_args(argv)
@@ -282,10 +356,18 @@ def main(argv=None) -> int:
         if "interleaved" in parts:
             t0 = time.perf_counter()
             rows = bench_interleaved([int(x) for x in a.pps.split(",")], [int(x) for x in a.vs.split(",")],
-                                     [int(x) for x in a.ms.split(",")], a.mbs, a.mem_seq, tmp)
+                                     [int(x) for x in a.ms.split(",")], a.mbs, a.mem_seq, tmp, a.p2p)
             result["interleaved"] = rows
             print(f"\n## Interleaved 1F1B, {INTERLEAVED_LAYERS} layers ({time.perf_counter() - t0:.0f} s)\n\n"
                   f"{interleaved_table(rows)}\n", flush=True)
+        if "schedule" in parts:
+            t0 = time.perf_counter()
+            transports = a.transports.split(",")
+            rows = bench_schedule([int(x) for x in a.pps.split(",")], [int(x) for x in a.vs.split(",")],
+                                  [int(x) for x in a.ms.split(",")], transports, a.stage_ms / 1e3, a.steps_schedule)
+            result["schedule"] = {"stage_forward_ms": a.stage_ms, "rows": rows}
+            print(f"\n## The executor on held stages: forward {a.stage_ms:g} ms per stage, backward 2x "
+                  f"({time.perf_counter() - t0:.0f} s)\n\n{schedule_table(rows, transports)}\n", flush=True)
         if "recompute" in parts:
             t0 = time.perf_counter()
             rows, budget = bench_recompute(a.budget_mbs, a.seq, a.steps, a.max_mbs)
