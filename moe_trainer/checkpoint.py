@@ -194,9 +194,13 @@ def write_model(model: torch.nn.Module, path: Path, step: int = 0) -> Path:
     named.update({n: b for n, b in model.named_buffers() if n.endswith(BIAS)})
     for name, t in named.items():
         tensors[name], meta[name] = t.detach().float().reshape(-1), _where(t, 0)
-    write_safetensors(tmp / part_name(0), tensors, meta)
-    (tmp / "state.json").write_text(json.dumps({"step": step, "arch": model.cfg.arch}))
-    files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}
+    part = tmp / part_name(0)
+    digests = {part.name: write_safetensors(part, tensors, meta)}  # hashed on the way: not read back
+    del tensors
+    state = tmp / "state.json"
+    state.write_text(json.dumps({"step": step, "arch": model.cfg.arch}))
+    digests[state.name] = sha256(state)
+    files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": digests[name]} for name in sorted(digests)}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "world": 1, "files": files}, indent=1))
     os.replace(tmp, path)
     return path

@@ -459,13 +459,14 @@ def test_cli_import_then_export_round_trips_through_transformers(tmp_path, capsy
 
 def test_cli_exports_a_run_checkpoint_directory(tmp_path):
     """runs/X/checkpoints/step_N/ (sharded parts, our names) + runs/X/config.yaml, no --config."""
-    from moe_trainer.checkpoint import read_full, write_model
+    from moe_trainer.checkpoint import read_full, verify, write_model
     cli = _cli()
     cfg = tiny_llama(tie_word_embeddings=True)
     model = randomize_(build_model(cfg))
     run = tmp_path / "run"
     step = run / "checkpoints" / "step_5"
     write_model(model, step, 5)
+    assert verify(step) is None  # every file's size and sha256 as its manifest says
     assert "lm_head.weight" not in read_full(step)  # as the trainer stores it
     (run / "config.yaml").write_text(model_yaml(cfg))
     assert cli.main(["export", "--weights", str(step), str(tmp_path / "hf"), "--dtype", "bf16"]) == 0
