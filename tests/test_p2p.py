@@ -211,3 +211,20 @@ def test_timed_parallel_code_reads_no_host_clock():
     """The pipeline executor, its transfers and the expert all-to-alls time through StepClock only."""
     for name in ("pipeline.py", "p2p.py", "expert.py", "comm.py"):
         assert "perf_counter" not in (ROOT / "moe_trainer" / "parallel" / name).read_text(), name
+
+
+def test_splitting_a_steady_pair_into_two_groups_deadlocks():
+    """Why a forward and its backward share one batch in the interleaved steady state, although
+    the forward then also waits for the backward's gradient (a slow box holds both ranks,
+    bench.pp.executor_bubble): posting the forward's receive with the previous sends and the
+    backward's receive as a second group right after it deadlocks under the rule."""
+    def split(s, p, m, v):
+        peers = chunk_peers(s, p, v, list(range(p)))
+        out, pending = [], []
+        for unit in schedule_units("1f1b", s, p, m, v):
+            recv = [needs(op, peers) for op in unit]
+            out += [pending + recv[0]] + recv[1:]
+            pending = [t for op in unit for t in produces(op, peers)]
+        return [b for b in out + [pending] if b]
+    for p, m, v in [(2, 4, 2), (4, 8, 2), (4, 16, 3)]:
+        assert simulate([split(s, p, m, v) for s in range(p)]) is not None, (p, m, v)

@@ -99,7 +99,10 @@ def comm_plan(units: list[list[Op]], peers: Peers) -> list[tuple[list[Transfer],
     Megatron-Core's send_forward_backward_recv_forward_backward. One operation at a time, that
     order deadlocks: rank 0's forward of chunk 0 posts alone the gradient its backward of chunk 1
     just produced, while the last rank first waits to send a gradient that rank 0 will only
-    receive after that forward."""
+    receive after that forward. The price: the forward also waits for the backward's gradient, so
+    a slow box holds the ranks it exchanges with (bench.pp.executor_bubble replays it; with equal
+    boxes it costs nothing). Posting the backward's receive as a second group right after the
+    forward's deadlocks under the rule too (tests/test_p2p.py)."""
     plan, pending = [], []
     for unit in units:
         plan.append((pending + [t for op in unit for t in needs(op, peers)], unit[0]))
