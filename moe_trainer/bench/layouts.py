@@ -18,22 +18,17 @@ import argparse
 import functools
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
+from .turns import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # DeepSpeed callers whose ops are scalars (gradient norms, overflow checks): not planned, reported apart
 SCALAR_BYTES = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _optimizer_numels(opt) -> dict:
@@ -116,7 +111,7 @@ def measure_layout(config: str, overrides: list[str], world: int, steps: int = 2
     import torch.multiprocessing as mp
     out_dir = out_dir or tempfile.mkdtemp(prefix="bench_layouts_")
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(world, _free_port(), str(ROOT / config), list(overrides), out_dir, steps, results),
+    mp.spawn(_worker, args=(world, free_port(), str(ROOT / config), list(overrides), out_dir, steps, results),
              nprocs=world, join=True)
     return [results[r] for r in range(world)]
 

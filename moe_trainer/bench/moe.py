@@ -17,11 +17,12 @@ import itertools
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
 import time
+
+from .turns import free_port
 
 D, E, TOP_K, H, N_SHARED = 512, 64, 6, 256, 2
 BATCH, SEQ = 8, 512
@@ -43,12 +44,6 @@ def flops_per_iter(tokens: int) -> float:
 
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- builders
@@ -89,7 +84,7 @@ def _build(impl: str, dtype, n_group: int, topk_group: int):
         from moe_trainer.models.layers import SwiGLU
         if not tdist.is_initialized():
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("WORLD_SIZE", "1")
             os.environ.setdefault("LOCAL_RANK", "0")

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ import torch
 from .pp_memory import (CONFIG, INTERLEAVED_LAYERS, ROOT, bench_memory, bench_recompute, chunk_peaks, memory_table,
                         recompute_table)
 from .pp_schedule import TRANSPORTS, bench_schedule, schedule_table
+from .turns import free_port
 
 # the trainer runs of the bubble part: moe_tiny (hidden 256, 1 dense + 3 MoE layers), short sequences
 BUBBLE_SET = ["train.seq_len=128", "train.micro_batch_size=2", "train.max_steps=3", "train.warmup_steps=1",
@@ -163,12 +163,6 @@ def _env(threads: int = 1) -> dict:
     return e
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bubble_sets(pp: int, m: int, mbs: int, schedule: str = "1f1b", v: int = 1) -> list[str]:
     sets = [s for s in BUBBLE_SET if not s.startswith("train.micro_batch_size")]
     sets += [f"train.micro_batch_size={mbs}", f"train.global_batch_size={mbs * m}", f"parallel.pp={pp}",
@@ -182,7 +176,7 @@ def run_trainer(pp: int, m: int, mbs: int, out_dir: Path, schedule: str = "1f1b"
                 v: int = 1, extra: tuple = ()) -> dict:
     sets = bubble_sets(pp, m, mbs, schedule, v) + list(extra)
     args = [f"--config={CONFIG}"] + [a for s in sets + [f"run.out_dir={out_dir}"] for a in ("--set", s)]
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(pp), "--master_port", str(_port()),
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(pp), "--master_port", str(free_port()),
            "--module", "moe_trainer.train", *args]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=timeout)

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from .turns import free_port
 
 TRANSPORTS = ("shm", "shm-strict", "gloo")
 
@@ -136,18 +137,12 @@ def _worker(rank: int, world: int, port: int, v: int, m: int, transport: str, st
     dist.destroy_process_group()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_schedule(pp: int, v: int, m: int, transport: str, stage_forward_s: float, steps: int,
                  shape: tuple = (4, 128, 256)) -> list[float]:
     """Measured bubble of each step (the first included) of `steps` executor steps."""
     import torch.multiprocessing as mp
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(pp, _port(), v, m, transport, stage_forward_s, steps, shape, results), nprocs=pp,
+    mp.spawn(_worker, args=(pp, free_port(), v, m, transport, stage_forward_s, steps, shape, results), nprocs=pp,
              join=True)
     return list(results[0])
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from .turns import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,17 +56,11 @@ out = {"rank": trainer.mesh.rank, "build_s": build_s, "rss_built_mib": built, "s
 """
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(world: int, overrides: list[str], out: Path, code: Path) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     args = json.dumps({"config": str(ROOT / "configs" / "moe_tiny.yaml"),
                        "overrides": overrides + [f"run.out_dir={out}"]})
-    port, procs = _port(), []
+    port, procs = free_port(), []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
