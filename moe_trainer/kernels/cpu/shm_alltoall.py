@@ -13,8 +13,8 @@ waits for needs.
 The same rings carry the pipeline's point-to-point transfers between the stages (`exchange`: a
 batch of sends and receives as one group call; with MOE_TRAINER_STRICT_P2P=1 each send is held
 until its receiver has taken it, as NCCL holds a large one), and the trainer's small per-step
-all-reduces (losses, expert counts, the noise
-scale's norms), which on gloo cost as much as an all-to-all each.
+all-reduces (losses, expert counts, the noise scale's norms), which on gloo cost as much as an
+all-to-all each.
 
 `ShmAllToAll.create(group)` returns None (and the caller stays on gloo) unless every rank of the
 group runs on this host (and sees the others' process ids) with the CPU kernels built and /dev/shm
@@ -38,8 +38,8 @@ from . import extension as cpu_kernels
 # Bytes per ring (one per destination rank in each rank's file): MoE exchanges of a few MB stream
 # through in a few passes, and a world of 8 ranks maps 8 x 8 x 4 MB = 256 MB of /dev/shm.
 RING_BYTES = 4 << 20
-# for the pipeline group's point-to-point: a send waits for its receiver anyway (NCCL's rule), so a
-# ring only has to keep both copies going; larger activations stream through it
+# for the pipeline group's point-to-point: two ranks exchange one activation (or its gradient) at a
+# time, in batches that also receive; larger activations stream through the ring
 P2P_RING_BYTES = 2 << 20
 # for groups that only carry the trainer's small all-reduces (a few KB per step)
 SMALL_RING_BYTES = 64 << 10
@@ -80,6 +80,7 @@ class ShmAllToAll:
         self.ops, self.handle, self.timeout_s = ops, handle, timeout_s
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.spin_s = spin_seconds(self.world)
+        self.strict = strict_p2p()  # exchange's default, read once: set before the rings are made
 
     @classmethod
     def create(cls, group, ring_bytes: int = RING_BYTES, timeout_s: float = 300.0) -> Optional["ShmAllToAll"]:
@@ -128,11 +129,11 @@ class ShmAllToAll:
         of `sends` goes to that rank of the group, each of `recvs` is filled from it. Transfers
         between two ranks match in the order they are listed, call after call. A send completes
         once it is in the ring, as NCCL's sends do while they fit its buffers (and gloo's always);
-        with `rendezvous` (default: MOE_TRAINER_STRICT_P2P=1, which the tests set) only once its
-        receiver has taken it: NCCL's rule for large messages, so an order that deadlocks on GPUs
-        fails here after timeout_s instead of passing."""
+        with `rendezvous` (default: MOE_TRAINER_STRICT_P2P=1 when the rings were made, which the
+        tests set) only once its receiver has taken it: NCCL's rule for large messages, so an order
+        that deadlocks on GPUs fails here after timeout_s instead of passing."""
         if rendezvous is None:
-            rendezvous = strict_p2p()
+            rendezvous = self.strict
         self.ops.shm_exchange(self.handle, [_bytes(t) for _, t in sends], [peer for peer, _ in sends],
                               [_bytes(t) for _, t in recvs], [peer for peer, _ in recvs], rendezvous,
                               self.timeout_s, self.spin_s)
