@@ -151,15 +151,16 @@ def save(trainer) -> Optional[Path]:
 def _gather_reports(trainer, size: int, digest: str) -> list[tuple[int, str]]:
     """(bytes, sha256) of every rank's part: one all-gather of 5 int64 per rank."""
     raw = bytes.fromhex(digest)
+    # on the rank's device: the default group is NCCL on GPUs, and NCCL takes device tensors only
     mine = torch.tensor([size] + [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, 32, 8)],
-                        dtype=torch.int64)
+                        dtype=torch.int64, device=trainer.device)
     world = trainer.layout.world
     if not (dist.is_initialized() and world > 1):
         return [(size, digest)]
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine)
-    return [(int(t[0]), b"".join(int(v).to_bytes(8, "little", signed=True) for v in t[1:].tolist()).hex())
-            for t in parts]
+    rows = torch.stack(parts).tolist()  # host sync: once per checkpoint
+    return [(int(t[0]), b"".join(int(v).to_bytes(8, "little", signed=True) for v in t[1:]).hex()) for t in rows]
 
 
 def _finish(trainer, tmp: Path, final: Path, reports: list[tuple[int, str]]) -> Path:
