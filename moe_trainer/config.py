@@ -99,6 +99,9 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     dtype: str = "auto"  # auto (bf16 on accelerators, fp32 on CPU ranks) | fp32 | bf16
+    # bf16 runs: the dtype micro-batch gradients are summed and data-parallel reduced in: fp32 (DeepSpeed's
+    # BF16_Optimizer, fp32 gradients of the whole model: +4 bytes/param) | bf16 (summed in bf16 param.grad)
+    grad_accum_dtype: str = "fp32"
     checkpoint_every: int = 100  # 0 = only at the end
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | none | <checkpoint path>
@@ -188,6 +191,7 @@ CHOICES = {
     "model.scoring_func": ("sigmoid", "softmax"),
     "model.moe_impl": ("grouped", "loop"),
     "train.dtype": ("auto", "fp32", "bf16"),
+    "train.grad_accum_dtype": ("fp32", "bf16"),
     "parallel.recompute": ("none", "selective", "full"),
     "parallel.schedule": ("1f1b", "gpipe"),
     "parallel.cpu_alltoall": ("shm", "gloo"),
