@@ -144,6 +144,11 @@ class ParallelConfig:
     virtual_stages: int = 1  # chunks per pipeline rank (v): rank s holds chunks s, s + pp, ...; > 1: interleaved
     pp_partition: Optional[list] = None  # layers per stage (pp * virtual_stages of them), e.g. [2, 3]; None = balanced
     timeout_s: int = 300  # collective timeout: a dead rank ends the job
+    # GPUs (ranks) per node: 0 = the launcher's LOCAL_WORLD_SIZE (one node when there is none). The
+    # rank order keeps TP and EP groups inside a node; the planner and the dry run read it from here
+    gpus_per_node: int = 0
+    # auto: MOE_ORDER for deepseek_v3, DENSE_ORDER for llama3; or an order such as tp-cp-pp-dp
+    rank_order: str = "auto"
     # expert placement plan (tools/expert_load.py plan): none | <plan JSON> | auto (<run.out_dir>/
     # expert_placement.json when it exists at start or resume, written by `expert_load.py plan --apply`)
     expert_placement: str = "auto"
@@ -420,8 +425,14 @@ def validate(cfg: Config) -> None:
     for key, value in {"train.lr": t.lr, "train.min_lr": t.min_lr, "train.warmup_steps": t.warmup_steps,
                        "train.checkpoint_every": t.checkpoint_every, "train.eval_every": t.eval_every,
                        "train.keep_checkpoints": t.keep_checkpoints, "parallel.micro_batches": p.micro_batches,
-                       "model.num_nextn_predict_layers": m.num_nextn_predict_layers}.items():
+                       "model.num_nextn_predict_layers": m.num_nextn_predict_layers,
+                       "parallel.gpus_per_node": p.gpus_per_node}.items():
         _require(value >= 0, f"{key} must be >= 0, got {value}.")
+    dims = p.rank_order.split("-")
+    valid_order = sorted(dims) == ["cp", "dp", "pp", "tp"] and dims.index("cp") < dims.index("dp")
+    _require(p.rank_order == "auto" or valid_order,
+             f"parallel.rank_order must be auto or the four dimensions tp, cp, pp, dp joined by '-', innermost "
+             f"first, cp inside dp (expert groups borrow (cp, dp) ranks; e.g. {MOE_ORDER}), got {p.rank_order!r}.")
     _require(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be at least 1, got {t.keep_checkpoints}.")
     _require(0.0 < cfg.data.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {cfg.data.val_fraction}.")
     _require(t.seq_len + m.num_nextn_predict_layers <= m.max_position_embeddings or m.arch == "llama3",
@@ -509,6 +520,20 @@ def _validate_llama(m: ModelConfig, p: ParallelConfig) -> None:
     _require(m.vocab_size % p.tp == 0, f"model.vocab_size ({m.vocab_size}) must be divisible by parallel.tp ({p.tp}).")
 
 
+# Rank orders, innermost (fastest-varying) dimension first. MoE: Megatron-Core's tp-cp-ep-dp-pp, where
+# ep borrows the (cp, dp) ranks of one stage: TP and then EP groups are neighbouring ranks, inside a
+# node whenever they fit, and the pipeline (the lightest traffic) is outermost, across nodes. Dense:
+# Llama 3's [tp, cp, pp, dp], data parallel outermost (its gradient reduction overlaps the backward).
+MOE_ORDER = "tp-cp-dp-pp"
+DENSE_ORDER = "tp-cp-pp-dp"
+
+
+def rank_order(p: "ParallelConfig", arch: str) -> str:
+    if p.rank_order != "auto":
+        return p.rank_order
+    return MOE_ORDER if arch == "deepseek_v3" else DENSE_ORDER
+
+
 @dataclass(frozen=True)
 class Layout:
     """Degrees of one run, derived from the world size and `parallel.*`."""
@@ -521,11 +546,22 @@ class Layout:
     ep: int
     edp: int  # expert-data-parallel degree: dp * cp / ep
     grad_accum: int  # micro-batches per optimizer step on each data-parallel rank
+    order: str = MOE_ORDER  # rank order, innermost first (parallel/mesh.py)
+    gpus_per_node: int = 0  # ranks per node; 0 = the whole world on one node
+
+    @property
+    def node_size(self) -> int:
+        return self.gpus_per_node or self.world
 
 
-def validate_layout(cfg: Config, world_size: int) -> Layout:
-    """Checks that need the world size; raise before any process group is used."""
+def validate_layout(cfg: Config, world_size: int, local_world_size: Optional[int] = None) -> Layout:
+    """Checks that need the world size; raise before any process group is used. The node size is
+    parallel.gpus_per_node, else the launcher's `local_world_size`, else the whole world."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
+    node = p.gpus_per_node or min(local_world_size or world_size, world_size)
+    _require(world_size % node == 0 or node >= world_size,
+             f"parallel.gpus_per_node ({node}) must divide the world size ({world_size}): every node holds the "
+             f"same number of ranks.")
     model_par = p.pp * p.tp * p.cp
     _require(world_size % model_par == 0,
              f"the world size ({world_size}) must be a multiple of parallel.pp * parallel.tp * parallel.cp "
@@ -550,7 +586,8 @@ def validate_layout(cfg: Config, world_size: int) -> Layout:
              f"multiple of parallel.pp ({p.pp}) with parallel.virtual_stages > 1 (the interleaved order sends "
              f"micro-batches through in groups of pp).")
     return Layout(world=world_size, pp=p.pp, tp=p.tp, cp=p.cp, dp=dp, ep=p.ep,
-                  edp=dp * p.cp // p.ep, grad_accum=grad_accum)
+                  edp=dp * p.cp // p.ep, grad_accum=grad_accum, order=rank_order(p, m.arch),
+                  gpus_per_node=min(node, world_size))
 
 
 def ceil_to(n: int, multiple: int) -> int:

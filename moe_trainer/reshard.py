@@ -23,7 +23,8 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         _single_process_env()
-        layout = validate_layout(cfg, int(os.environ["WORLD_SIZE"]))
+        world = int(os.environ["WORLD_SIZE"])
+        layout = validate_layout(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if cfg.train.resume in ("auto", "none"):
             raise ConfigError("train.resume must name the checkpoint directory to reshard.")
     except ConfigError as e:

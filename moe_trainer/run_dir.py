@@ -208,6 +208,7 @@ def banner(trainer, start: Start) -> str:
     total, active = parameter_counts(m)
     mine = sum(q.numel() for q in trainer.engine.module.parameters())
     from .data import BYTE_SPECIALS
+    from .parallel.order import describe_nodes
     index = trainer.data_index
     splits, tok = index["splits"], index.get("tokenizer", {})
     eos = tok.get("eos_token") or BYTE_SPECIALS.get(tok.get("eos_id"), tok.get("eos_id"))  # older indexes: an id
@@ -225,6 +226,7 @@ def banner(trainer, start: Start) -> str:
         f"(virtual stages {getattr(p, 'virtual_stages', 1)}, schedule {p.schedule}), tp {lay.tp}, cp {lay.cp}; "
         f"{lay.grad_accum} micro-batch{'es' if lay.grad_accum != 1 else ''} of {t.micro_batch_size} per step, "
         f"{t.dtype}",
+        *describe_nodes(lay, m.n_routed_experts if m.arch == "deepseek_v3" else 0, m.n_group, m.topk_group),
         f"model {m.arch}: {_count(total)} parameters, {_count(active)} activated per token, "
         f"{_count(mine)} on this rank (rank 0); vocab {m.vocab_size}",
         f"tokens per step {tokens:,} ({t.global_batch_size} sequences x {t.seq_len}); {t.max_steps} steps",

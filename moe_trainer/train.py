@@ -163,7 +163,7 @@ def main(argv=None) -> int:
         start = plan_run(args, rank)
         _single_process_env()
         cfg = start.cfg
-        layout = validate_layout(cfg, world)
+        layout = validate_layout(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     except ConfigError as e:
         report_error(f"config error: {e}", rank, world, same_on_every_rank=True)
         return 2

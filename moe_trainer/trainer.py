@@ -109,7 +109,8 @@ class Trainer:
         if shm:
             route_deepspeed_collectives()
         # ZeRO's gradient reductions and parameter gathers, counted like the all-to-alls
-        count_deepspeed_collectives(self.comm, {mesh.group("dpcp"): "dp", mesh.group("edp"): "edp"})
+        # (where edp and dpcp are one group, at ep 1, its traffic counts as dp)
+        count_deepspeed_collectives(self.comm, {mesh.group("edp"): "edp", mesh.group("dpcp"): "dp"})
         self.executor = self._build_executor() if self.pipelined else None
         # the critical batch size: per-micro-batch gradient norms vs the reduced one
         # (one micro-batch per optimizer step has nothing to compare: no hooks then)
@@ -139,9 +140,12 @@ class Trainer:
         shared memory stays on gloo. Once the engine exists, route_deepspeed_collectives() sends
         deepspeed.comm's calls on these groups there."""
         t = self.cfg.parallel.timeout_s
+        enabled = []  # kinds with the same ranks share one process group (build_mesh): one transport each
         for kind, ring in (("dpcp", RING_BYTES), ("edp", RING_BYTES), ("mp", SMALL_RING_BYTES)):
-            if self.mesh.group(kind) is not None:
-                enable_shm_transport(self.mesh.group(kind), ring_bytes=ring, timeout_s=t)
+            group = self.mesh.group(kind)
+            if group is not None and all(group is not g for g in enabled):
+                enable_shm_transport(group, ring_bytes=ring, timeout_s=t)
+                enabled.append(group)
         enable_shm_transport(None, ring_bytes=SMALL_RING_BYTES, timeout_s=t)
 
     def find_checkpoint(self) -> Optional[Path]:

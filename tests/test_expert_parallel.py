@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_trainer.config import Layout
+from moe_trainer.config import DENSE_ORDER, MOE_ORDER, Layout
 from moe_trainer.moe.layer import MoE
 from moe_trainer.parallel.comm import CommCounter, use_shm_transport
 from moe_trainer.parallel.expert import AllToAllDispatcher, shard_experts
-from moe_trainer.parallel.mesh import group_ranks
+from moe_trainer.parallel.order import group_ranks
 from moe_trainer.kernels.cpu.shm_alltoall import ShmAllToAll
 
 from conftest import spawn_ranks
@@ -115,8 +115,14 @@ def test_mesh_groups_match_deepspeed_order():
     g = group_ranks(Layout(world=8, pp=1, tp=1, cp=1, dp=8, ep=2, edp=4, grad_accum=1))
     assert g["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert g["edp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    g = group_ranks(Layout(world=8, pp=2, tp=1, cp=1, dp=4, ep=2, edp=2, grad_accum=1))
+    # the MoE order: pipeline outermost, so each stage's EP groups are neighbouring ranks
+    g = group_ranks(Layout(world=8, pp=2, tp=1, cp=1, dp=4, ep=2, edp=2, grad_accum=1, order=MOE_ORDER))
+    assert g["pp"][0] == [0, 4] and g["dp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert g["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and g["edp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    # Llama 3's order: pipeline inside data parallel
+    g = group_ranks(Layout(world=8, pp=2, tp=1, cp=1, dp=4, ep=2, edp=2, grad_accum=1, order=DENSE_ORDER))
     assert g["pp"][0] == [0, 1] and g["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert g["ep"] == [[0, 2], [4, 6], [1, 3], [5, 7]] and g["edp"] == [[0, 4], [2, 6], [1, 5], [3, 7]]
-    g = group_ranks(Layout(world=8, pp=1, tp=2, cp=2, dp=2, ep=1, edp=4, grad_accum=1))
-    assert g["tp"][0] == [0, 1] and g["cp"][0] == [0, 2] and g["dp"][0] == [0, 4]
+    for order in (MOE_ORDER, DENSE_ORDER):
+        g = group_ranks(Layout(world=8, pp=1, tp=2, cp=2, dp=2, ep=1, edp=4, grad_accum=1, order=order))
+        assert g["tp"][0] == [0, 1] and g["cp"][0] == [0, 2] and g["dp"][0] == [0, 4]

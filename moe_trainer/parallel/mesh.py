@@ -1,13 +1,7 @@
 """The one mesh: every rank's coordinates and process groups, built once.
 
-Rank order, innermost first, is Llama 3's [tp, cp, pp, dp]:
-    rank = tp_i + tp * (cp_i + cp * (pp_i + pp * dp_i))
-The expert view re-reads the dp x cp ranks of one pipeline stage (and one tp
-index) as [ep, edp], ep innermost, which is DeepSpeed's default "E + D" order:
-    j = cp_i + cp * dp_i,  ep_i = j % ep,  edp_i = j // ep
-so an expert group is `ep` neighbouring data-parallel ranks, and an expert's
-replicas (its expert-data-parallel group) are strided by ep.
-
+The rank order and the groups come from parallel/order.py (pure, shared with the planner and the
+dry run); this module creates the process groups and answers DeepSpeed's `mpu` queries.
 The mesh is passed explicitly to whatever needs it; nothing reads a global.
 """
 from __future__ import annotations
@@ -18,54 +12,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ..config import Layout
-
-
-def coords(rank: int, layout: Layout) -> dict[str, int]:
-    """Pure: a rank's coordinates in every view."""
-    tp_i = rank % layout.tp
-    cp_i = (rank // layout.tp) % layout.cp
-    pp_i = (rank // (layout.tp * layout.cp)) % layout.pp
-    dp_i = rank // (layout.tp * layout.cp * layout.pp)
-    j = cp_i + layout.cp * dp_i
-    return {"tp": tp_i, "cp": cp_i, "pp": pp_i, "dp": dp_i, "ep": j % layout.ep, "edp": j // layout.ep}
-
-
-def rank_of(layout: Layout, tp: int = 0, cp: int = 0, pp: int = 0, dp: int = 0) -> int:
-    return tp + layout.tp * (cp + layout.cp * (pp + layout.pp * dp))
-
-
-def group_ranks(layout: Layout) -> dict[str, list[list[int]]]:
-    """Pure: every group of every kind, as lists of global ranks.
-
-    mp: same (dp, cp), varying (pp, tp): one full copy of the weights.
-    dp: same (tp, cp, pp), varying dp.  dpcp: same (tp, pp), varying (dp, cp)
-    (ZeRO and gradient reduction for dense parameters when cp > 1).  ep / edp:
-    splits of each dpcp group.  tp, cp, pp: varying that one coordinate.
-    """
-    L = layout
-    out: dict[str, list[list[int]]] = {k: [] for k in ("tp", "cp", "pp", "dp", "dpcp", "ep", "edp", "mp")}
-    for dp_i in range(L.dp):
-        for pp_i in range(L.pp):
-            for cp_i in range(L.cp):
-                out["tp"].append([rank_of(L, t, cp_i, pp_i, dp_i) for t in range(L.tp)])
-            for t in range(L.tp):
-                out["cp"].append([rank_of(L, t, c, pp_i, dp_i) for c in range(L.cp)])
-        for t in range(L.tp):
-            for cp_i in range(L.cp):
-                out["pp"].append([rank_of(L, t, cp_i, p, dp_i) for p in range(L.pp)])
-        for cp_i in range(L.cp):  # mp: the ranks that together hold one copy of the model
-            out["mp"].append([rank_of(L, t, cp_i, p, dp_i) for p in range(L.pp) for t in range(L.tp)])
-    for pp_i in range(L.pp):
-        for t in range(L.tp):
-            for cp_i in range(L.cp):
-                out["dp"].append([rank_of(L, t, cp_i, pp_i, d) for d in range(L.dp)])
-            dpcp = [rank_of(L, t, c, pp_i, d) for d in range(L.dp) for c in range(L.cp)]  # j order
-            out["dpcp"].append(dpcp)
-            for e in range(L.edp):
-                out["ep"].append(dpcp[e * L.ep:(e + 1) * L.ep])
-            for e in range(L.ep):
-                out["edp"].append(dpcp[e::L.ep])
-    return out
+from .order import coords, group_ranks
 
 
 @dataclass
@@ -75,6 +22,7 @@ class Mesh:
     coord: dict = field(default_factory=dict)
     groups: dict = field(default_factory=dict)  # kind -> this rank's ProcessGroup (None when size 1)
     members: dict = field(default_factory=dict)  # kind -> this rank's group's ranks
+    single: Optional[dist.ProcessGroup] = None  # this rank alone (made by build_mesh, with every rank)
 
     @property
     def dp_rank(self) -> int:
@@ -92,7 +40,10 @@ class Mesh:
 
     def group_or_self(self, kind: str) -> dist.ProcessGroup:
         """Like group(), but a one-rank group instead of None (for DeepSpeed's registry)."""
-        return self.groups[kind] or _single_group(self.rank)
+        pg = self.groups[kind] or self.single
+        if pg is None:
+            raise RuntimeError(f"no process group for {kind}: the mesh was built without distributed groups")
+        return pg
 
     @property
     def is_last_stage(self) -> bool:
@@ -104,18 +55,46 @@ class Mesh:
 
 
 def build_mesh(layout: Layout, rank: int, distributed: bool = True) -> Mesh:
-    """Create every process group of more than one rank. NCCL's rule for new_group: every rank
-    calls it for every group, members or not, in the same order with the same ranks; the lists
-    and their order come from the layout alone, so they are the same on every rank. Groups of one
-    rank are not created (a kind's groups all have the layout's degree for that kind)."""
+    """Create the process groups, collectively on every rank.
+
+    NCCL's rule for group creation: every rank of the world enters every creation, members or not,
+    in the same order with the same ranks (with a device bound, each one is a communicator split of
+    the world). The lists and their order come from the layout alone, so they are the same on every
+    rank, and every rank makes every call here, whatever its stage holds. Each distinct rank set gets
+    one communicator: kinds with the same groups share it (dp and dpcp when cp is 1, ep and dpcp
+    when edp is 1, mp and pp when tp is 1). Kinds of degree 1 have no group (None); the one-rank
+    groups DeepSpeed's registries want instead (group_or_self) are made here too, by every rank."""
     mesh = Mesh(layout, rank, coords(rank, layout))
+    made: dict = {}  # tuple of the kind's group lists -> this rank's group of them
     for kind, lists in group_ranks(layout).items():
-        for ranks in lists:
-            pg = dist.new_group(ranks) if distributed and len(ranks) > 1 else None
-            if rank in ranks:
-                mesh.members[kind] = ranks
-                mesh.groups[kind] = pg
+        mine = next(ranks for ranks in lists if rank in ranks)
+        mesh.members[kind] = mine
+        if len(mine) == 1:
+            mesh.groups[kind] = None
+            continue
+        key = tuple(sorted(map(tuple, lists)))  # the same partition, whatever order a kind lists it in
+        if key not in made:
+            made[key] = _partition(lists, rank) if distributed else None
+        mesh.groups[kind] = made[key]
+    if distributed and any(len(m) == 1 for m in mesh.members.values()):
+        mesh.single = _partition([[r] for r in range(layout.world)], rank)
     return mesh
+
+
+def _partition(lists: list[list[int]], rank: int):
+    """This rank's group of a partition of the world, every rank of the world taking part. On a
+    backend that splits communicators (NCCL with a bound device) one split makes every group of
+    the partition; elsewhere one new_group per list, every rank calling each in the same order."""
+    world = dist.group.WORLD
+    backend = world._get_backend(world.bound_device_id) if getattr(world, "bound_device_id", None) else None
+    if backend is not None and getattr(backend, "supports_splitting", False):
+        return dist.split_group(split_ranks=lists)
+    mine = None
+    for ranks in lists:
+        pg = dist.new_group(ranks)
+        if rank in ranks:
+            mine = pg
+    return mine
 
 
 class DeepSpeedMPU:
@@ -171,16 +150,3 @@ class DeepSpeedMPU:
 
     def get_pipeline_model_parallel_world_size(self):
         return self.mesh.layout.pp
-
-
-_SINGLE: dict = {}
-
-
-def _single_group(rank: int):
-    """A one-rank group for DeepSpeed's APIs, which want a group object even when a degree is 1.
-    Local synchronisation: only its member takes part in creating it (no other rank calls
-    new_group for it, so ranks never disagree on the groups they create together); made once
-    per process, whatever the number of degrees that are 1."""
-    if rank not in _SINGLE:
-        _SINGLE[rank] = dist.new_group([rank], use_local_synchronization=True)
-    return _SINGLE[rank]
