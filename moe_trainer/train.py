@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     from torch.distributed import DistError
 
     from .kernels import KernelConfigError
-    from .parallel.launch import shutdown_distributed
+    from .parallel.launch import report_collective_failure, shutdown_distributed
     from .trainer import TrainingHalted
 
     try:
@@ -188,10 +188,9 @@ def main(argv=None) -> int:
     except TrainingHalted as e:
         report_error(f"error: {e}", rank, world, same_on_every_rank=False)
         return 3
-    except DistError as e:  # a collective timed out (NCCL's watchdog, gloo's timeout) or a peer went away
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        report_error(f"error: rank {rank}: a collective failed ({first[:300]}); a peer rank died or waited longer "
-                     f"than parallel.timeout_s={cfg.parallel.timeout_s} s.", rank, world, same_on_every_rank=False)
+    except DistError as e:  # a collective timed out or a peer went away (gloo, the CPU rings; on NCCL the
+        # watchdog thread sees it instead, and launch.CollectiveWatch ends the job with the same line)
+        report_collective_failure(e, rank, cfg.parallel.timeout_s)  # one line per job, naming the rank
         return 4
     shutdown_distributed()
     if rank == 0:
