@@ -156,8 +156,9 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = ""  # token files from tools/prepare_data.py; empty = default corpus
-    val_fraction: float = 0.02
+    path: str = ""  # tools/prepare_data.py token files or a Megatron PREFIX (.bin + .idx); empty = default corpus
+    val_fraction: float = 0.02  # a Megatron prefix: the share of its last documents kept for validation
+    tokenizer: str = ""  # tokenizer.json or a Hugging Face tokenizer directory: a Megatron prefix's vocabulary and EOS
 
 
 @dataclass
@@ -357,7 +358,7 @@ def resolve_auto(cfg: Config, check_data: bool = False) -> None:
     if cfg.model.vocab_size == "auto":
         from .data import DataError, data_vocab_size
         try:
-            cfg.model.vocab_size = data_vocab_size(cfg.data.path)
+            cfg.model.vocab_size = data_vocab_size(cfg.data.path, cfg.data.tokenizer)
         except DataError as e:
             raise ConfigError(f"model.vocab_size is auto, but {e}") from None
     elif not isinstance(cfg.model.vocab_size, int):
@@ -365,7 +366,7 @@ def resolve_auto(cfg: Config, check_data: bool = False) -> None:
     elif check_data:  # an explicit value: at least the data's (when the data is there to ask)
         from .data import DataError, data_vocab_size
         try:
-            need = data_vocab_size(cfg.data.path)
+            need = data_vocab_size(cfg.data.path, cfg.data.tokenizer)
         except DataError:
             return
         _require(cfg.model.vocab_size >= need,

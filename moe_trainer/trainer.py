@@ -81,7 +81,7 @@ class Trainer:
         self.dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
         t = cfg.train
         self.data_index, self.train_data, self.val_data = open_data(
-            cfg.data.path, t.seq_len, cfg.run.seed, cfg.model.vocab_size, cfg.data.val_fraction)
+            cfg.data.path, t.seq_len, cfg.run.seed, cfg.model.vocab_size, cfg.data.val_fraction, cfg.data.tokenizer)
         # built on the meta device; parallelism slices it and this rank materialises only its
         # stage, its experts and its TP shards (models/init.py)
         self.clock = StepClock(device)  # phase and transfer times: CUDA events on a GPU
@@ -174,7 +174,7 @@ class Trainer:
         if self.is_logger:
             run_dir.print_lines(run_dir.describe(self.start))
             run_dir.record_start(self.start, self.layout.world, (self.peak, self.peak_source),
-                                 data_dir(self.cfg.data.path))
+                                 data_dir(self.cfg.data.path, self.cfg.data.tokenizer))
         self.barrier()
 
     def open_sink(self) -> None:

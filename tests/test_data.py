@@ -14,6 +14,17 @@ from moe_trainer.data import (BYTE_VOCAB_PADDED, EOS_ID, BatchSource, DataError,
 from conftest import ROOT, env
 
 
+def split_tokens(token_dir, split: str) -> np.ndarray:
+    """A split's ids: its shards (index.json lists them) end to end."""
+    index = json.loads((token_dir / "index.json").read_text())
+    shards = index["splits"][split]["shards"]
+    return np.concatenate([np.fromfile(token_dir / s["file"], dtype=index["dtype"]) for s in shards])
+
+
+def first_shard(token_dir, split: str):
+    return token_dir / json.loads((token_dir / "index.json").read_text())["splits"][split]["shards"][0]["file"]
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     d = tmp_path_factory.mktemp("corpus")
@@ -32,8 +43,9 @@ def corpus(tmp_path_factory):
 def test_prepare_writes_index_and_memmaps(corpus):
     index = json.loads((corpus / "index.json").read_text())
     assert index["vocab_size"] == BYTE_VOCAB_PADDED and index["eos_id"] == EOS_ID
-    train = np.fromfile(corpus / "train.bin", dtype=np.uint16)
+    train = split_tokens(corpus, "train")
     assert len(train) == index["splits"]["train"]["num_tokens"]
+    assert index["splits"]["train"]["max_id"] == int(train.max()) == EOS_ID
     assert index["splits"]["val"]["documents"] > 0 and index["splits"]["train"]["documents"] > 0
     assert (train == EOS_ID).sum() == index["splits"]["train"]["documents"]
     assert bytes(train[:9].astype(np.uint8)).startswith(b"document") or bytes(train[:4].astype(np.uint8)) == b"json"
@@ -81,8 +93,8 @@ def test_truncated_file_is_rejected(corpus, tmp_path):
     bad.mkdir()
     for f in corpus.iterdir():
         (bad / f.name).write_bytes(f.read_bytes())
-    data = (bad / "train.bin").read_bytes()
-    (bad / "train.bin").write_bytes(data[:-10])
+    data = first_shard(bad, "train").read_bytes()
+    first_shard(bad, "train").write_bytes(data[:-10])
     with pytest.raises(DataError, match="truncated"):
         open_token_dir(bad, 320)
 
@@ -92,9 +104,9 @@ def test_out_of_range_ids_are_rejected(corpus, tmp_path):
     bad.mkdir()
     for f in corpus.iterdir():
         (bad / f.name).write_bytes(f.read_bytes())
-    arr = np.fromfile(bad / "val.bin", dtype=np.uint16)
+    arr = np.fromfile(first_shard(bad, "val"), dtype=np.uint16)
     arr[3] = 5000
-    arr.tofile(bad / "val.bin")
+    arr.tofile(first_shard(bad, "val"))
     with pytest.raises(DataError, match="id 5000, outside model.vocab_size"):
         open_token_dir(bad, 320)
     with pytest.raises(DataError, match="exceeds model.vocab_size"):
@@ -131,7 +143,7 @@ def test_default_corpus_is_the_stdlib():
     assert index["splits"]["train"]["num_tokens"] > 5_000_000  # the stdlib is tens of MB
     assert 0.005 < index["splits"]["val"]["num_tokens"] / index["splits"]["train"]["num_tokens"] < 0.06
     assert default_corpus_dir() == path  # cached, same place
-    h = unigram_entropy(np.asarray(train.tokens[:2_000_000]), 320)
+    h = unigram_entropy(train.stream.read(0, 2_000_000), 320)
     assert 2.5 < h < 4.0  # Python source as bytes
 
 
@@ -149,19 +161,21 @@ def test_ranks_starting_together_build_the_default_corpus_once(tmp_path, monkeyp
     """Ranks of a fresh machine's first job build the cache at once: one builds, the others wait and
     read its directory (two builders replaced each other's directory under a reader: 'token file ...
     truncated or missing: 0 bytes')."""
+    import importlib
     import multiprocessing as mp
     from moe_trainer import data
+    default = importlib.import_module("moe_trainer.data.default")
     files = data.stdlib_files()[:300]
     log = tmp_path / "builds"
-    build = data.write_token_dir
+    build = default.write_token_dir
 
     def counted(*args, **kwargs):
         with open(log, "a") as f:
             f.write(f"{os.getpid()}\n")
         return build(*args, **kwargs)
     monkeypatch.setenv("MOE_TRAINER_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(data, "stdlib_files", lambda: files)
-    monkeypatch.setattr(data, "write_token_dir", counted)
+    monkeypatch.setattr(default, "stdlib_files", lambda: files)
+    monkeypatch.setattr(default, "write_token_dir", counted)
     ctx = mp.get_context("fork")
     n = 4
     barrier, results = ctx.Barrier(n), ctx.Manager().dict()
@@ -188,7 +202,7 @@ def test_a_tokenizer_s_own_end_of_text_separates_documents_and_travels(tmp_path)
     assert index["eos_id"] == eos and index["tokenizer"]["eos_token"] == "<|endoftext|>"
     n = tok.get_vocab_size()
     assert index["vocab_size"] == (n + 63) // 64 * 64 > 320  # padded to a multiple of 64, no extra id
-    train = np.fromfile(tmp_path / "tokens" / "train.bin", dtype=np.uint16)
+    train = split_tokens(tmp_path / "tokens", "train")
     assert (train == eos).sum() == index["splits"]["train"]["documents"] and train.max() < n
     assert (tmp_path / "tokens" / "tokenizer.json").read_text() == tok_file.read_text()
     cfg = json.loads((tmp_path / "tokens" / "tokenizer_config.json").read_text())

@@ -236,9 +236,10 @@ def test_data_with_out_of_range_ids_is_refused(tmp_path):
     prepare([str(f) for f in files], str(tmp_path / "tok"), val_fraction=0.3)
     index = json.loads((tmp_path / "tok" / "index.json").read_text())
     import numpy as np
-    arr = np.fromfile(tmp_path / "tok" / "train.bin", dtype=index["dtype"])
+    shard = tmp_path / "tok" / index["splits"]["train"]["shards"][0]["file"]
+    arr = np.fromfile(shard, dtype=index["dtype"])
     arr[5] = 1000
-    arr.tofile(tmp_path / "tok" / "train.bin")
+    arr.tofile(shard)
     proc = launch(1, tmp_path / "run", BASE + ["train.max_steps=2", f"data.path={tmp_path / 'tok'}"],
                   launcher="python")
     assert proc.returncode == 2 and "outside model.vocab_size" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,561 @@
+"""Preparation: text in, a token directory out, streaming, in parallel, resumable.
+
+The main process reads the inputs as streams and cuts them into chunks of about CHUNK_BYTES at
+record boundaries; `workers` processes parse and tokenize each chunk in one batch (the tokenizers
+library's batch encode) and return its ids split into train and validation; the main process
+appends them, in input order, to the open shard of each split. When the train shard reaches
+`shard_tokens` every open shard is closed (flushed, fsynced) and progress.json records the shards
+and the input position after the chunk: a checkpoint. Memory is bounded by the chunks in
+flight (2 per worker) and the tokenizer, whatever the corpus's size.
+
+All of it happens in OUT.partial; the index (shards with their token counts and largest ids) is
+written there last and the directory renamed to OUT, so OUT is complete or absent. A rerun with
+the same inputs and settings resumes from the last checkpoint (finished shards are kept; the
+open ones are written again), and starts over when they changed.
+
+Documents go to validation by a hash (crc32) of their name: the file's path inside the directory
+given (its own name when given directly or by a glob) and the record's line or row, so where
+the inputs lie or how their paths are typed does not change the split.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import itertools
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional
+
+import numpy as np
+
+from .errors import DataError
+from .formats import FORMAT
+from .tokenizer import byte_tokenize, describe_tokenizer, load_tokenizer
+
+SUFFIXES = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".json", ".parquet", ".txt")
+CHUNK_BYTES = 1 << 20  # text per task: ~1 MB, a few tens of MB of encodings in a worker
+SHARD_TOKENS = 1 << 28  # 268M tokens per train shard (512 MB as uint16)
+PARQUET_ROWS = 1024
+IN_FLIGHT_PER_WORKER = 2  # chunks queued per worker: enough to keep it busy, a bound on memory
+PROGRESS = "progress.json"
+
+
+def expand_inputs(specs: Iterable[str]) -> list[tuple[Path, str]]:
+    """Files, directories (their files with a known suffix, recursively) and globs -> sorted
+    (file, name): the name is the path inside a directory given, else the file's own name."""
+    out = []
+    for spec in specs:
+        p = Path(spec)
+        if p.is_dir():
+            found = [(f, f.relative_to(p).as_posix()) for f in sorted(p.rglob("*"))
+                     if f.is_file() and f.name.endswith(SUFFIXES)]
+        elif p.is_file():
+            found = [(p, p.name)]
+        elif glob.has_magic(spec):
+            found = [(Path(f), Path(f).name) for f in sorted(glob.glob(spec, recursive=True)) if Path(f).is_file()]
+        else:
+            raise DataError(f"input file {spec} does not exist.")
+        if not found:
+            raise DataError(f"input {spec} names no .txt, .jsonl, .jsonl.gz, .jsonl.zst or .parquet file.")
+        out.extend(found)
+    return out
+
+
+def kind_of(path: Path) -> str:
+    """How a file is read: JSON lines (plain or compressed), Parquet rows, or one text document."""
+    for suffix, kind in ((".jsonl.gz", "gz"), (".jsonl.zst", "zst"), (".jsonl", "lines"), (".json", "lines"),
+                         (".parquet", "parquet")):
+        if path.name.endswith(suffix):
+            return kind
+    return "text"
+
+
+# ----------------------------------------------------------------------------- reading the inputs
+
+@dataclass
+class Chunk:
+    """A run of whole records (or a piece of one .txt document) for one worker task."""
+    name: str  # the input file, for messages
+    key: str  # its name for the split (expand_inputs)
+    first: int  # records (lines or rows) of the file before this chunk
+    kind: str  # "lines": JSON lines as bytes; "rows": Parquet texts; "text": a piece of a .txt document
+    payload: object
+    end: tuple  # (file, offset, record) where the next chunk starts: the resume point after this one
+    consumed: int  # input bytes read through this chunk, for progress
+    ends_doc: bool = True  # False for a .txt piece whose document goes on in the next chunk
+    is_val: bool = False  # "text": the document's split, from its first piece
+
+
+def _open_stream(path: Path, kind: str):
+    """(decompressed binary stream, the raw file whose tell() measures progress)."""
+    raw = open(path, "rb")
+    if kind == "gz":
+        return gzip.GzipFile(fileobj=raw), raw
+    if kind == "zst":
+        try:
+            import zstandard
+        except ImportError:
+            raw.close()
+            raise DataError(f"{path} needs the zstandard package (pip install -e '.[data]').") from None
+        return zstandard.ZstdDecompressor().stream_reader(raw), raw
+    return raw, raw
+
+
+def _skip(f, offset: int) -> None:
+    """Forward to `offset` of a decompressed stream (a resume: decompressing is cheap, tokenizing is not)."""
+    if f.seekable() and not isinstance(f, gzip.GzipFile):
+        f.seek(offset)
+        return
+    while offset > 0:
+        got = len(f.read(min(offset, 1 << 24)))
+        if got == 0:
+            break
+        offset -= got
+
+
+def _blobs(f, chunk_bytes: int, whole_lines: bool) -> Iterator[bytes]:
+    """Blocks of about chunk_bytes ending at a newline. A line longer than a block is kept whole
+    when `whole_lines` (a JSON record), else cut where a UTF-8 character starts."""
+    rest = b""
+    while True:
+        block = f.read(chunk_bytes)
+        data = rest + block
+        if not block:
+            if data:
+                yield data
+            return
+        cut = data.rfind(b"\n") + 1
+        if cut == 0 and not whole_lines:
+            cut = len(data)
+            while cut > 0 and data[cut - 1] & 0xC0 == 0x80:  # back to the start of a UTF-8 character
+                cut -= 1
+            cut = cut - 1 if cut and data[cut - 1] >= 0xC0 else cut
+        if cut == 0:
+            rest = data
+            continue
+        rest = data[cut:]
+        yield data[:cut]
+
+
+def _line_chunks(fi: int, path: Path, key: str, kind: str, offset: int, record: int, chunk_bytes: int,
+                 before: int) -> Iterator[Chunk]:
+    f, raw = _open_stream(path, kind)
+    with f, raw:
+        _skip(f, offset)
+        for blob in _blobs(f, chunk_bytes, whole_lines=True):
+            lines = blob.count(b"\n") + (not blob.endswith(b"\n"))
+            offset += len(blob)
+            yield Chunk(str(path), key, record, "lines", blob, (fi, offset, record + lines), before + raw.tell())
+            record += lines
+
+
+def _text_chunks(fi: int, path: Path, key: str, offset: int, chunk_bytes: int, before: int, val_fraction: float
+                 ) -> Iterator[Chunk]:
+    """One document per .txt file, in pieces at line ends when it is larger than a chunk. Shards
+    close only between documents, so a resume starts at a file's beginning or its end."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        pieces = _blobs(f, chunk_bytes, whole_lines=False)
+        piece = next(pieces, None)
+        while piece is not None:
+            following = next(pieces, None)
+            offset += len(piece)
+            yield Chunk(str(path), key, 0, "text", piece.decode("utf-8", errors="replace"), (fi, offset, 0),
+                        before + f.tell(), following is None, is_val(key, val_fraction))
+            piece = following
+
+
+def _parquet_chunks(fi: int, path: Path, key: str, row: int, field: str, before: int) -> Iterator[Chunk]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path} needs the pyarrow package (pip install -e '.[data]').") from None
+    pf = pq.ParquetFile(path)
+    if field not in pf.schema_arrow.names:
+        raise DataError(f"{path} has no column {field!r} (it has {', '.join(pf.schema_arrow.names)}); name the "
+                        f"text column with --field.")
+    total, size = pf.metadata.num_rows, path.stat().st_size
+    starts = np.cumsum([0] + [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
+    group = int(np.searchsorted(starts, row, side="right")) - 1  # the row group holding `row`
+    at = int(starts[max(group, 0)])
+    for batch in pf.iter_batches(batch_size=PARQUET_ROWS, row_groups=range(max(group, 0), pf.num_row_groups),
+                                 columns=[field]):
+        texts = batch.column(0).to_pylist()[max(row - at, 0):]
+        at += batch.num_rows
+        if texts:
+            yield Chunk(str(path), key, row, "rows", texts, (fi, at, at), before + size * at // max(total, 1))
+            row = at
+
+
+def read_chunks(files: list[tuple[Path, str]], start: tuple, chunk_bytes: int, field: str, val_fraction: float
+                ) -> Iterator[Chunk]:
+    """The inputs from position `start` = (file, offset, record) on, as chunks in input order."""
+    sizes = [f.stat().st_size for f, _ in files]
+    for fi in range(start[0], len(files)):
+        offset, record = (start[1], start[2]) if fi == start[0] else (0, 0)
+        (path, key), before = files[fi], sum(sizes[:fi])
+        kind = kind_of(path)
+        if kind == "parquet":
+            yield from _parquet_chunks(fi, path, key, record, field, before)
+        elif kind == "text":
+            yield from _text_chunks(fi, path, key, offset, chunk_bytes, before, val_fraction)
+        else:
+            yield from _line_chunks(fi, path, key, kind, offset, record, chunk_bytes, before)
+
+
+# ----------------------------------------------------------------------------- tokenizing (in the workers)
+
+def is_val(name: str, val_fraction: float) -> bool:
+    """A document's split from its name (not its path as typed): crc32 into 100,000 buckets."""
+    return (zlib.crc32(name.encode()) % 100_000) < val_fraction * 100_000
+
+
+class Encoder:
+    """Chunk -> its documents' ids per split, ended by EOS; bad records reported or counted."""
+
+    def __init__(self, tokenizer: Optional[str], field: str, eos_id: int, dtype: str, val_fraction: float,
+                 on_error: str):
+        self.tok = load_tokenizer(tokenizer)
+        self.field, self.eos_id, self.dtype = field, eos_id, np.dtype(dtype)
+        self.val_fraction, self.on_error = val_fraction, on_error
+
+    def records(self, chunk: Chunk) -> tuple[list[str], list[int], list[str]]:
+        """(texts, their 1-based lines or rows, messages of the records that are not a JSON object
+        with a string field)."""
+        if chunk.kind == "text":
+            return [chunk.payload], [0], []
+        if chunk.kind == "rows":
+            rows = list(enumerate(chunk.payload, chunk.first + 1))
+            bad = [f"{chunk.name} row {n} has no {self.field!r} string" for n, t in rows if not isinstance(t, str)]
+            good = [(n, t) for n, t in rows if isinstance(t, str)]
+            return [t for _, t in good], [n for n, _ in good], bad
+        texts, numbers, bad = [], [], []
+        for n, line in enumerate(chunk.payload.split(b"\n"), chunk.first + 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[self.field]
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, IndexError):
+                text = None
+            if isinstance(text, str):
+                texts.append(text)
+                numbers.append(n)
+            else:
+                bad.append(f"{chunk.name} line {n} is not a JSON object with a {self.field!r} string")
+        return texts, numbers, bad
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        if self.tok is None:
+            return [byte_tokenize(t).tolist() for t in texts]
+        batch = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)  # fast: no offsets computed
+        # add_special_tokens=False: documents are separated by EOS alone, whatever the post-processor adds
+        return [e.ids for e in batch(texts, add_special_tokens=False)]
+
+    def __call__(self, chunk: Chunk) -> dict:
+        texts, numbers, bad = self.records(chunk)
+        if bad and self.on_error == "fail":
+            return {"error": bad[0] + " (--on-error skip counts such records and goes on)."}
+        out = {"skipped": len(bad), "skipped_examples": bad[:3], "ends_doc": chunk.ends_doc}
+        val = [chunk.is_val] if chunk.kind == "text" else [is_val(f"{chunk.key}:{n}", self.val_fraction)
+                                                            for n in numbers]
+        for split, want in (("train", False), ("val", True)):
+            out[split] = self._pack(self.encode([t for t, v in zip(texts, val) if v == want]), chunk.ends_doc)
+        return out
+
+    def _pack(self, docs: list[list[int]], ends_doc: bool) -> tuple[np.ndarray, int, int]:
+        """(ids with EOS after each ended document, documents ended, largest id)."""
+        docs = [d for d in docs if d]
+        if ends_doc:
+            for d in docs:
+                d.append(self.eos_id)
+        n = sum(len(d) for d in docs)
+        ids = np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype, count=n)
+        return ids, (len(docs) if ends_doc else 0), (int(ids.max()) if n else -1)
+
+
+_WORKER: dict = {}  # the worker process's Encoder, made once by _init_worker (the Pool initializer)
+
+
+def _init_worker(args: tuple) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers is the parallelism
+    _WORKER["encoder"] = Encoder(*args)
+
+
+def _encode_in_worker(chunk: Chunk) -> dict:
+    return _WORKER["encoder"](chunk)
+
+
+# ----------------------------------------------------------------------------- writing the shards
+
+class ShardWriter:
+    """One split's shards in the partial directory: the open one takes ids as they come; close()
+    flushes and fsyncs it and lists it ({file, num_tokens, documents, max_id})."""
+
+    def __init__(self, root: Path, split: str, closed: list[dict]):
+        self.root, self.split, self.closed = root, split, list(closed)
+        self.f, self.tokens, self.documents, self.max_id = None, 0, 0, -1
+
+    def write(self, ids: np.ndarray, documents: int, max_id: int) -> None:
+        if len(ids) == 0 and documents == 0:
+            return
+        if self.f is None:
+            self.f = open(self.root / f"{self.split}-{len(self.closed):05d}.bin", "wb")
+        self.f.write(ids.tobytes())
+        self.tokens += len(ids)
+        self.documents += documents
+        self.max_id = max(self.max_id, max_id)
+
+    def close(self) -> None:
+        if self.f is None:
+            return
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        self.closed.append({"file": Path(self.f.name).name, "num_tokens": self.tokens, "documents": self.documents,
+                            "max_id": self.max_id})
+        self.f, self.tokens, self.documents, self.max_id = None, 0, 0, -1
+
+    def totals(self) -> dict:
+        shards = self.closed
+        return {"num_tokens": sum(s["num_tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
+                "max_id": max((s["max_id"] for s in shards), default=-1), "shards": shards}
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _checkpoint(root: Path, writers: dict, settings: dict, position: tuple, stats: dict) -> None:
+    """Close every open shard, then record them with the input position after them."""
+    for w in writers.values():
+        w.close()
+    _write_json(root / PROGRESS, {"settings": settings, "position": list(position), "stats": stats,
+                                  "shards": {s: w.closed for s, w in writers.items()}})
+
+
+def _begin(partial: Path, settings: dict, say: Callable[[str], None]) -> dict:
+    """progress.json of a partial directory begun with the same settings (its unfinished shards
+    removed), else a fresh partial directory's."""
+    try:
+        state = json.loads((partial / PROGRESS).read_text())
+    except (OSError, ValueError):
+        state = None
+    if state is not None and state.get("settings") == settings:
+        keep = {s["file"] for shards in state["shards"].values() for s in shards} | {PROGRESS}
+        for f in partial.iterdir():
+            if f.name not in keep:
+                f.unlink()
+        done = sum(len(v) for v in state["shards"].values())
+        say(f"resuming {partial}: {done} finished shard{'s' * (done != 1)} kept, from input file "
+            f"{state['position'][0] + 1} record {state['position'][2] + 1}")
+        return state
+    if partial.exists():
+        say(f"starting {partial} over: its inputs or settings differ from this command's")
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    state = {"settings": settings, "position": [0, 0, 0], "shards": {"train": [], "val": []},
+             "stats": {"skipped": 0, "tokens": 0}}
+    _write_json(partial / PROGRESS, state)
+    return state
+
+
+def _check_splits(totals: dict, val_fraction: float) -> None:
+    train, val = totals["train"]["num_tokens"], totals["val"]["num_tokens"]
+    if train == 0 and val == 0:
+        raise DataError("the corpus is empty or too small to split: 0 train and 0 validation tokens.")
+    if val == 0:
+        raise DataError(f"no document fell into validation ({train} train tokens): raise --val-fraction (now "
+                        f"{val_fraction}) or give more documents.")
+    if train == 0:
+        raise DataError(f"every document fell into validation ({val} tokens): lower --val-fraction (now "
+                        f"{val_fraction}) or give more documents.")
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """tmp -> out by rename; an existing out is moved aside first and deleted after, so out is
+    never missing a file its index lists."""
+    old = None
+    if out.exists():
+        old = out.with_name(out.name + f".old{os.getpid()}")
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / "index.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # a concurrent writer put it there first
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _finish(root: Path, out: Path, writers: dict, head: dict, files: dict[str, str], val_fraction: float) -> dict:
+    """Check the splits, write the tokenizer's files and the index (last), and publish."""
+    for w in writers.values():
+        w.close()
+    totals = {s: w.totals() for s, w in writers.items()}
+    _check_splits(totals, val_fraction)
+    for name, text in files.items():
+        (root / name).write_text(text)
+    index = {"format": FORMAT, **head, "splits": totals}
+    _write_json(root / "index.json", index)
+    (root / PROGRESS).unlink(missing_ok=True)
+    _publish(root, out)
+    return index
+
+
+def _dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 65536 else "uint32"
+
+
+# ----------------------------------------------------------------------------- the preparation
+
+class Progress:
+    """Throughput and ETA on stderr every `every` seconds."""
+
+    def __init__(self, total_bytes: int, done_bytes: int, say: Callable[[str], None], every: float = 5.0):
+        self.total, self.start_bytes, self.say, self.every = total_bytes, done_bytes, say, every
+        self.t0 = self.last = time.monotonic()
+        self.tokens = 0
+
+    def update(self, consumed: int, tokens: int) -> None:
+        self.tokens += tokens
+        now = time.monotonic()
+        if now - self.last < self.every:
+            return
+        self.last, dt = now, max(now - self.t0, 1e-9)
+        rate = (consumed - self.start_bytes) / dt  # input bytes/s
+        eta = (self.total - consumed) / rate if rate > 0 else float("inf")
+        self.say(f"{100 * consumed / max(self.total, 1):.1f}% of {self.total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, "
+                 f"{self.tokens / dt / 1e6:.2f}M tokens/s, ETA {eta:.0f} s")
+
+
+def _encoded(chunks: Iterator[Chunk], workers: int, encoder_args: tuple) -> Iterator[tuple[Chunk, dict]]:
+    """(chunk, its encoding) in input order; `workers` processes, at most IN_FLIGHT_PER_WORKER
+    chunks queued per worker (Pool.imap would read ahead without bound), or in this process for 1."""
+    if workers <= 1:
+        encoder = Encoder(*encoder_args)
+        for c in chunks:
+            yield c, encoder(c)
+        return
+    # spawn: workers start clean (no inherited tokenizer threads) and import numpy, not torch
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(encoder_args,)) as pool:
+        pending: deque = deque()
+        for c in chunks:
+            pending.append((c, pool.apply_async(_encode_in_worker, (c,))))
+            if len(pending) >= workers * IN_FLIGHT_PER_WORKER:
+                c0, r = pending.popleft()
+                yield c0, r.get()
+        while pending:
+            c0, r = pending.popleft()
+            yield c0, r.get()
+
+
+def _settings(inputs: list[tuple[Path, str]], tok_meta: dict, field: str, val_fraction: float, shard_tokens: int,
+              on_error: str) -> dict:
+    """What a resume must find unchanged: the inputs (path, size, mtime), the tokenizer and the settings."""
+    return {"format": FORMAT, "inputs": [[str(p.resolve()), key, p.stat().st_size, p.stat().st_mtime_ns]
+                                         for p, key in inputs],
+            "tokenizer": tok_meta, "field": field, "val_fraction": val_fraction, "shard_tokens": shard_tokens,
+            "on_error": on_error}
+
+
+def prepare(files: list[str], out_dir: str, tokenizer_path: Optional[str] = None, jsonl_field: str = "text",
+            val_fraction: float = 0.02, eos_token: Optional[str] = None, *, workers: int = 1,
+            shard_tokens: int = SHARD_TOKENS, on_error: str = "fail", chunk_bytes: int = CHUNK_BYTES,
+            say: Optional[Callable[[str], None]] = None) -> dict:
+    """Text/JSONL/Parquet files, directories or globs -> token directory (byte-level, or a local
+    Hugging Face tokenizer whose own end-of-text token separates documents); the tokenizer's files
+    go with the tokens. Resumes an interrupted run of the same command."""
+    if on_error not in ("fail", "skip"):
+        raise DataError(f"--on-error must be fail or skip, got {on_error!r}.")
+    if not 0 < val_fraction < 1:
+        raise DataError(f"--val-fraction must be between 0 and 1, got {val_fraction}.")
+    say = say or (lambda line: None)
+    inputs = expand_inputs(files)
+    vocab, meta, tok_files = describe_tokenizer(tokenizer_path, eos_token)
+    meta = {k: v for k, v in meta.items() if k != "source"}  # where the tokenizer lay does not make the tokens
+    out = Path(out_dir)
+    partial = out.with_name(out.name + ".partial")
+    settings = _settings(inputs, meta, jsonl_field, val_fraction, shard_tokens, on_error)
+    state = _begin(partial, settings, say)
+    writers = {s: ShardWriter(partial, s, state["shards"][s]) for s in ("train", "val")}
+    try:
+        stats = _run(inputs, partial, writers, state, settings, vocab, tokenizer_path, meta["eos_id"], workers,
+                     chunk_bytes, say)
+        head = {"dtype": _dtype(vocab), "vocab_size": vocab, "eos_id": meta["eos_id"], "tokenizer": meta,
+                "skipped": stats["skipped"], "val_fraction": val_fraction,
+                "split": "by crc32 of each document's name: its file's (inside a directory given) and line"}
+        return _finish(partial, out, writers, head, tok_files, val_fraction)
+    except DataError:
+        shutil.rmtree(partial, ignore_errors=True)  # bad input: a rerun would meet it again
+        raise
+
+
+def _run(inputs, partial, writers, state, settings, vocab, tokenizer_path, eos_id, workers, chunk_bytes, say
+         ) -> dict:
+    """Encode and write from the recorded position on; a checkpoint whenever the train shard fills."""
+    stats = dict(state["stats"])
+    position = tuple(state["position"])
+    total = sum(p.stat().st_size for p, _ in inputs)
+    done = sum(p.stat().st_size for p, _ in inputs[:position[0]])
+    progress = Progress(total, done, say)
+    args = (tokenizer_path, settings["field"], eos_id, _dtype(vocab), settings["val_fraction"], settings["on_error"])
+    chunks = read_chunks(inputs, position, chunk_bytes, settings["field"], settings["val_fraction"])
+    for chunk, enc in _encoded(chunks, workers, args):
+        if "error" in enc:
+            raise DataError(enc["error"])
+        for split, w in writers.items():
+            w.write(*enc[split])
+        for example in enc["skipped_examples"][:max(0, 3 - stats["skipped"])]:
+            say(f"skipped: {example}")
+        stats["skipped"] += enc["skipped"]
+        tokens = len(enc["train"][0]) + len(enc["val"][0])
+        stats["tokens"] += tokens
+        progress.update(chunk.consumed, tokens)
+        if enc["ends_doc"] and writers["train"].tokens >= settings["shard_tokens"]:
+            _checkpoint(partial, writers, settings, chunk.end, stats)
+    return stats
+
+
+# ----------------------------------------------------------------------------- ids already made (the default corpus)
+
+
+def write_token_dir(out_dir: Path, docs: Iterable[tuple[str, np.ndarray]], vocab_size: int, eos_id: int,
+                    val_fraction: float, tokenizer: dict, files: Optional[dict[str, str]] = None,
+                    shard_tokens: int = SHARD_TOKENS) -> dict:
+    """Write (name, ids) documents as train/val shards + index.json (+ `files`, name -> text:
+    the tokenizer's), atomically: a temporary sibling renamed into place at the end, so a crash
+    never leaves a token directory that looks complete."""
+    out_dir = Path(out_dir)
+    dtype = _dtype(vocab_size)
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        writers = {s: ShardWriter(tmp, s, []) for s in ("train", "val")}
+        for name, ids in docs:
+            if len(ids) == 0:
+                continue
+            top = int(ids.max())
+            if top >= vocab_size:
+                raise DataError(f"document {name} has token id {top} >= vocab_size {vocab_size}.")
+            w = writers["val" if is_val(name, val_fraction) else "train"]
+            w.write(np.append(ids.astype(dtype), np.array([eos_id], dtype=dtype)), 1, max(top, eos_id))
+            if w.tokens >= shard_tokens:
+                w.close()
+        head = {"dtype": dtype, "vocab_size": vocab_size, "eos_id": eos_id, "tokenizer": tokenizer, "skipped": 0,
+                "val_fraction": val_fraction, "split": "by crc32 of each document's name"}
+        return _finish(tmp, out_dir, writers, head, files or {}, val_fraction)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written token directory
+        raise
