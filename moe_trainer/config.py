@@ -436,6 +436,9 @@ def validate(cfg: Config) -> None:
              f"first, cp inside dp (expert groups borrow (cp, dp) ranks; e.g. {MOE_ORDER}), got {p.rank_order!r}.")
     _require(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be at least 1, got {t.keep_checkpoints}.")
     _require(0.0 < cfg.data.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {cfg.data.val_fraction}.")
+    _require(not cfg.data.tokenizer or Path(cfg.data.tokenizer).exists(),
+             f"data.tokenizer {cfg.data.tokenizer} does not exist (give a tokenizer.json or a Hugging Face "
+             f"tokenizer directory).")
     _require(t.seq_len + m.num_nextn_predict_layers <= m.max_position_embeddings or m.arch == "llama3",
              f"train.seq_len ({t.seq_len}) must not exceed model.max_position_embeddings ({m.max_position_embeddings}).")
     _require(t.global_batch_size % t.micro_batch_size == 0,
