@@ -120,8 +120,8 @@ class ShmAllToAll:
         if in_splits is None:
             in_splits = [x.shape[0] // self.world] * self.world
         row = x.element_size() * math.prod(x.shape[1:])
-        self.ops.shm_all_to_all(self.handle, _bytes(x), [n * row for n in in_splits], _bytes(out),
-                                [n * row for n in out_splits], self.timeout_s, self.spin_s)
+        _collective(self.ops.shm_all_to_all, self.handle, _bytes(x), [n * row for n in in_splits], _bytes(out),
+                    [n * row for n in out_splits], self.timeout_s, self.spin_s)
 
     def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
                  rendezvous: Optional[bool] = None) -> None:
@@ -134,9 +134,8 @@ class ShmAllToAll:
         that deadlocks on GPUs fails here after timeout_s instead of passing."""
         if rendezvous is None:
             rendezvous = self.strict
-        self.ops.shm_exchange(self.handle, [_bytes(t) for _, t in sends], [peer for peer, _ in sends],
-                              [_bytes(t) for _, t in recvs], [peer for peer, _ in recvs], rendezvous,
-                              self.timeout_s, self.spin_s)
+        _collective(self.ops.shm_exchange, self.handle, [_bytes(t) for _, t in sends], [peer for peer, _ in sends],
+                    [_bytes(t) for _, t in recvs], [peer for peer, _ in recvs], rendezvous, self.timeout_s, self.spin_s)
 
     # ------------------------------------------------------------------ collectives on top
     # Every reduction is done by one rank per element, adding the ranks' copies in rank order
@@ -231,6 +230,15 @@ def _reduce_rows(rows: torch.Tensor, op: str) -> torch.Tensor:
     if op == "avg":
         acc /= rows.shape[0]
     return acc.to(rows.dtype) if wide else acc
+
+
+def _collective(op, *args) -> None:
+    """op(*args), a wait on the peers: its failure (a peer exited, or none came for timeout_s) raises
+    DistError, as a gloo or NCCL collective's does, so the trainer ends the job with its one line."""
+    try:
+        op(*args)
+    except RuntimeError as e:
+        raise dist.DistError(str(e)) from None
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
