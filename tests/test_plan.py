@@ -264,3 +264,53 @@ def test_cli_plan_that_does_not_fit_exits_3():
     assert out.returncode == 3
     assert "does not fit" in out.stderr and "Traceback" not in out.stderr
     assert "Verdict" in out.stdout
+
+
+def _kinds(stage) -> dict:
+    c = stage.comm
+    return {"dense_dp": c.dense_dp.total, "expert_dp": c.expert_dp.total, "all_to_all": c.all_to_all,
+            "pipeline": c.pipeline, "tensor": c.tensor, "context": c.context}
+
+
+def test_node_split_follows_the_rank_order_and_adds_up():
+    cfg = load_config("configs/moe_1b_16gpu.yaml", [])
+    p = plan.make_plan(cfg, 16, gpus_per_node=8)
+    assert p.gpus_per_node == 8 and p.rank_order == "tp-cp-dp-pp"
+    for s in p.stages:
+        for kind, total in _kinds(s).items():  # every byte is inside a node or across
+            assert within(s.nodes[kind].intra_node + s.nodes[kind].inter_node, total, 1e-9) or total == 0, kind
+        a2a, pipe = s.nodes["all_to_all"], s.nodes["pipeline"]
+        assert a2a.inter_node == 0 and a2a.intra_node > 0 and a2a.nodes == 1  # EP inside a node
+        assert pipe.intra_node == 0 and pipe.inter_node > 0  # one stage per node
+    # the order MoE runs had before: every EP group {0, 2, ..., 14} over both nodes, 4 of 7 peers remote
+    old = plan.make_plan(load_config("configs/moe_1b_16gpu.yaml", ["parallel.rank_order=tp-cp-pp-dp"]), 16)
+    a2a = old.stages[0].nodes["all_to_all"]
+    assert a2a.nodes == 2 and within(a2a.inter_node, old.stages[0].comm.all_to_all * 4 / 7, 1e-9)
+    assert old.stages[0].nodes["pipeline"].inter_node == 0  # while the pipeline stayed inside a node
+    assert old.stages[0].comm_seconds > p.stages[0].comm_seconds
+
+
+def test_link_speeds_set_the_time():
+    cfg = load_config("configs/moe_1b_16gpu.yaml", [])
+    slow = plan.make_plan(cfg, 16, links=plan.Links(ib_gbps=200))
+    fast = plan.make_plan(cfg, 16, links=plan.Links(ib_gbps=400))
+    pipe = lambda p: p.stages[0].nodes["pipeline"]  # noqa: E731
+    assert within(pipe(slow).seconds, 2 * pipe(fast).seconds, 1e-9)
+    assert within(pipe(fast).seconds, pipe(fast).inter_node / 50e9, 1e-9)  # 400 Gb/s = 50 GB/s
+    a2a = fast.stages[0].nodes["all_to_all"]
+    assert within(a2a.seconds, a2a.intra_node / 450e9, 1e-9)  # NVLink's default, 3600 Gb/s
+
+
+def test_deepseek_v3_plan_spans_8_nodes_per_ep_group(deepseek):
+    p = plan.make_plan(deepseek, 2048, gpus_per_node=8)
+    a2a = p.stages[0].nodes["all_to_all"]
+    assert a2a.nodes == 8 and within(a2a.inter_node, p.stages[0].comm.all_to_all * 56 / 63, 1e-9)
+    assert p.stages[0].nodes["expert_dp"].nodes == 2  # the two replicas of an expert, 64 ranks apart
+
+
+def test_plan_cli_link_flags_and_bad_values():
+    out = run_cli("--config", "configs/moe_1b_16gpu.yaml", "--gpus", "16", "--ib-gbps", "100")
+    assert out.returncode == 0 and "network 100 Gb/s (12.5 GB/s)" in out.stdout
+    assert "Inside and across nodes" in out.stdout
+    bad = run_cli("--config", "configs/moe_1b_16gpu.yaml", "--gpus", "16", "--ib-gbps", "0")
+    assert bad.returncode == 2 and "--ib-gbps must be positive" in bad.stderr

@@ -66,6 +66,13 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=tuple(plan.PRECISIONS), default=None,
                    help="bytes per parameter: mixed (2+2+12), fp32 (4+4+8), bf16 (2+2+4); "
                         "default mixed for train.dtype bf16, fp32 for fp32")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per node for the rank order and the inside/across-node split (default: "
+                        "parallel.gpus_per_node, else 8)")
+    p.add_argument("--nvlink-gbps", type=float, default=plan.NVLINK_GBPS,
+                   help="NVLink bandwidth per GPU and direction in Gb/s (default %(default)g: H100, 450 GB/s)")
+    p.add_argument("--ib-gbps", type=float, default=plan.IB_GBPS,
+                   help="network bandwidth per GPU and direction in Gb/s (default %(default)g: one NDR NIC per GPU)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of markdown")
     return p
 
@@ -90,7 +97,9 @@ def _run_zero(argv: list[str]) -> int:
 def _run_plan(argv: list[str]) -> int:
     args = _plan_parser().parse_args(argv)
     cfg = load_config(args.config, args.set, read_init_from=True)  # a Hugging Face train.init_from: plan its model
-    result = plan.make_plan(cfg, args.gpus, args.gpu_memory_gb, args.zero, args.precision)
+    node = args.gpus_per_node or cfg.parallel.gpus_per_node or 8
+    result = plan.make_plan(cfg, args.gpus, args.gpu_memory_gb, args.zero, args.precision, node,
+                            plan.Links(args.nvlink_gbps, args.ib_gbps))
     if args.json:
         print(json.dumps(plan.plan_to_dict(result), indent=1))
     else:

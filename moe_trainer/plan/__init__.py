@@ -20,7 +20,9 @@ What it answers before GPU time is bought:
   expert all-to-all, pipeline send/recv, tensor and context parallel), the
   pipeline bubble, and the exact all-to-all bytes of a concrete routing
   (`alltoall_bytes_exact`) next to its expected value (`alltoall_bytes_expected`);
-- the ZeRO paper's memory table (`zero_table`).
+- the ZeRO paper's memory table (`zero_table`);
+- where the traffic goes: bytes inside and across nodes per kind under the run's rank order, and
+  the communication time at given NVLink and network speeds (`nodes`).
 
 Units: parameter counts are plain numbers; memory and traffic are bytes (the
 reports print GB = 1e9 bytes, as the ZeRO paper does). Traffic is what ONE rank
@@ -35,6 +37,7 @@ from .comm import (AllToAllBytes, ZeroComm, alltoall_bytes, alltoall_bytes_exact
                    context_parallel_bytes, expected_remote_ranks, pipeline_bytes, remote_copies, tensor_parallel_bytes,
                    tensor_parallel_extra_bytes, zero_comm)
 from .layout import Plan, StageComm, StagePlan, make_plan, plan_to_dict
+from .nodes import IB_GBPS, NVLINK_GBPS, Links, NodeTraffic, stage_node_traffic
 from .memory import (FP32, ModelStateBytes, RankParams, StageActivations, TokenActs, ZeroRow, layer_acts,
                      model_state_bytes, rank_params, stage_activation_bytes, zero_table)
 from .params import (GB, PARTS, PRECISIONS, ParamCount, ParamReport, PlanError, Precision, base_part, count_parameters,
@@ -48,6 +51,7 @@ __all__ = [
     "context_parallel_bytes", "expected_remote_ranks", "pipeline_bytes", "remote_copies", "tensor_parallel_bytes",
     "tensor_parallel_extra_bytes", "zero_comm",
     "Plan", "StageComm", "StagePlan", "make_plan", "plan_to_dict",
+    "IB_GBPS", "NVLINK_GBPS", "Links", "NodeTraffic", "stage_node_traffic",
     "FP32", "ModelStateBytes", "RankParams", "StageActivations", "TokenActs", "ZeroRow", "layer_acts",
     "model_state_bytes", "rank_params", "stage_activation_bytes", "zero_table",
     "GB", "PARTS", "PRECISIONS", "ParamCount", "ParamReport", "PlanError", "Precision", "base_part",

@@ -8,11 +8,13 @@ from typing import Optional
 from ..config import Config, ConfigError, Layout, validate_layout
 from .comm import (AllToAllBytes, ZeroComm, _kv_bytes_per_token, _passes, alltoall_bytes_expected, context_parallel_bytes,
                    pipeline_bytes, tensor_parallel_bytes, tensor_parallel_extra_bytes, zero_comm)
+from .nodes import Links, NodeTraffic, stage_node_traffic
 from .memory import (ModelStateBytes, RankParams, StageActivations, _stage_blocks, model_state_bytes, rank_params,
                      stage_activation_bytes)
 from .params import (GB, PRECISIONS, ParamCount, ParamReport, PlanError, Precision, count_parameters, is_moe_layer,
                      mtp_layers, precision_for)
 from .pipeline import bubble_fraction, stage_partition
+from ..parallel.order import group_ranks
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -44,6 +46,8 @@ class StagePlan:
     activation_bytes: float  # under the config's parallel.recompute
     total: float  # states + activation_bytes
     comm: StageComm
+    nodes: dict = dataclasses.field(default_factory=dict)  # kind -> NodeTraffic (inside / across nodes, time)
+    comm_seconds: float = 0.0  # the kinds' times added up (no overlap with compute or each other assumed)
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,9 @@ class Plan:
     peak_bytes: float
     fits: bool
     virtual_stages: int = 1  # chunks per pipeline rank (interleaved 1F1B when > 1)
+    gpus_per_node: int = 8
+    links: Links = Links()
+    rank_order: str = ""
 
 
 def _tokens_per_rank(cfg: Config) -> float:
@@ -129,7 +136,7 @@ def _stage_plan(cfg: Config, st: _Setting, partition: list[int], stage: int, par
     return StagePlan(stage, partition[stage], moe, mtp, params, states, acts, act, states.total + act, comm)
 
 
-def layout_on(cfg: Config, gpus: int) -> Layout:
+def layout_on(cfg: Config, gpus: int, gpus_per_node: Optional[int] = None) -> Layout:
     """The layout of `cfg` on `gpus` GPUs, or a PlanError: one sentence naming --gpus, what it must
     factor into, and (for pp x tp x cp) the nearest counts that would."""
     p = cfg.parallel
@@ -140,14 +147,14 @@ def layout_on(cfg: Config, gpus: int) -> Layout:
         raise PlanError(f"--gpus {gpus} does not factor into the layout: it must be a multiple of parallel.pp x "
                         f"parallel.tp x parallel.cp = {p.pp} x {p.tp} x {p.cp} = {model_par} (e.g. --gpus {nearest}).")
     try:
-        return validate_layout(cfg, gpus)
+        return validate_layout(cfg, gpus, gpus_per_node)
     except ConfigError as e:  # the config's own sentence, with the data-parallel size --gpus gives
         raise PlanError(f"--gpus {gpus} does not factor into the layout (data parallel {gpus // model_par}): "
                         f"{e}") from None
 
 
 def make_plan(cfg: Config, gpus: int, gpu_memory_gb: float = 80.0, zero: int = 1,
-              precision: Optional[str] = None) -> Plan:
+              precision: Optional[str] = None, gpus_per_node: int = 8, links: Links = Links()) -> Plan:
     """Plan a validated config on `gpus` GPUs (dp = gpus / (pp * tp * cp)) with ZeRO stage `zero` and a
     precision recipe of `PRECISIONS` (default from train.dtype). Raises ConfigError for a layout that
     does not divide and PlanError for other bad numbers."""
@@ -158,7 +165,11 @@ def make_plan(cfg: Config, gpus: int, gpu_memory_gb: float = 80.0, zero: int = 1
     if gpu_memory_gb <= 0:
         raise PlanError(f"--gpu-memory-gb must be positive, got {gpu_memory_gb}.")
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    layout = layout_on(cfg, gpus)
+    if gpus_per_node < 1:
+        raise PlanError(f"--gpus-per-node must be a positive integer, got {gpus_per_node}.")
+    if links.nvlink_gbps <= 0 or links.ib_gbps <= 0:
+        raise PlanError(f"--nvlink-gbps and --ib-gbps must be positive, got {links.nvlink_gbps:g} and {links.ib_gbps:g}.")
+    layout = layout_on(cfg, gpus, gpus_per_node)  # parallel.gpus_per_node, when set, wins
     prec = precision_for(precision, t.dtype)
     partition = stage_partition(cfg)
     alltoall = alltoall_bytes_expected(_tokens_per_rank(cfg), m.num_experts_per_tok, m.hidden_size, p.ep,
@@ -166,7 +177,8 @@ def make_plan(cfg: Config, gpus: int, gpu_memory_gb: float = 80.0, zero: int = 1
                                        m.topk_group)
     st = _Setting(prec, zero, layout.grad_accum, layout.dp * layout.cp, layout.edp, alltoall)
     per_rank = rank_params(m, p, partition)
-    stages = [_stage_plan(cfg, st, partition, s, per_rank[s]) for s in range(p.pp)]
+    groups = group_ranks(layout)
+    stages = [_with_nodes(_stage_plan(cfg, st, partition, s, per_rank[s]), layout, links, groups) for s in range(p.pp)]
     heaviest = max(stages, key=lambda s: s.states.total).stage
     table = {name: [model_state_bytes(per_rank[heaviest], pr, z, layout.dp * layout.cp, layout.edp)
                     for z in range(4)] for name, pr in PRECISIONS.items()}
@@ -179,7 +191,13 @@ def make_plan(cfg: Config, gpus: int, gpu_memory_gb: float = 80.0, zero: int = 1
         dense_group=layout.dp * layout.cp, gpu_memory_gb=gpu_memory_gb, params=count_parameters(m),
         partition=partition, stages=stages, state_table=table, heaviest_stage=heaviest, alltoall_per_layer=alltoall,
         bubble=bubble_fraction(p.pp, layout.grad_accum, p.virtual_stages), peak_stage=peak.stage,
-        peak_bytes=peak.total, fits=peak.total <= gpu_memory_gb * GB, virtual_stages=p.virtual_stages)
+        peak_bytes=peak.total, fits=peak.total <= gpu_memory_gb * GB, virtual_stages=p.virtual_stages,
+        gpus_per_node=layout.node_size, links=links, rank_order=layout.order)
+
+
+def _with_nodes(stage: StagePlan, layout: Layout, links: Links, groups: dict) -> StagePlan:
+    nodes = stage_node_traffic(layout, stage.stage, stage.comm, links, groups)
+    return dataclasses.replace(stage, nodes=nodes, comm_seconds=sum(n.seconds for n in nodes.values()))
 
 
 def _param_count_dict(pc: ParamCount) -> dict:

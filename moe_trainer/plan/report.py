@@ -146,6 +146,29 @@ def _comm_lines(plan: Plan) -> list[str]:
             f"size. All-to-all: only copies that leave the rank, under uniform routing{dedup}.", ""]
 
 
+_NODE_KINDS = (("dense_dp", "data parallel, dense"), ("expert_dp", "data parallel, experts"),
+               ("all_to_all", "expert all-to-all"), ("pipeline", "pipeline send/recv"), ("tensor", "tensor parallel"),
+               ("context", "context parallel"))
+
+
+def _node_lines(plan: Plan) -> list[str]:
+    """Bytes inside and across nodes and the communication time, for the stage that spends the most."""
+    worst = max(plan.stages, key=lambda s: s.comm_seconds)
+    rows = [[label, fmt_bytes(worst.nodes[k].intra_node), fmt_bytes(worst.nodes[k].inter_node),
+             worst.nodes[k].nodes, f"{worst.nodes[k].seconds * 1e3:.1f}"]
+            for k, label in _NODE_KINDS if worst.nodes[k].intra_node + worst.nodes[k].inter_node > 0]
+    rows.append(["**total**", fmt_bytes(sum(n.intra_node for n in worst.nodes.values())),
+                 fmt_bytes(sum(n.inter_node for n in worst.nodes.values())), "", f"{worst.comm_seconds * 1e3:.1f}"])
+    lk = plan.links
+    return [f"### Inside and across nodes ({plan.gpus_per_node} GPUs per node, rank order {plan.rank_order}; "
+            f"stage {worst.stage}, the most communication time)", "",
+            *_table(["traffic", "inside a node", "across nodes", "nodes spanned", "ms per step"], rows), "",
+            f"Links per GPU and direction: NVLink {lk.nvlink_gbps:g} Gb/s ({lk.nvlink_gbps / 8:g} GB/s), network "
+            f"{lk.ib_gbps:g} Gb/s ({lk.ib_gbps / 8:g} GB/s) (--nvlink-gbps, --ib-gbps; defaults: an H100 node with one "
+            f"400 Gb/s NIC per GPU). A ring over n nodes sends n/g of its bytes across and runs at the network's "
+            f"pace; the all-to-all's NVLink and network parts run at once. The times add up, with no overlap.", ""]
+
+
 def format_plan(plan: Plan, title: str = "") -> str:
     """The plan as a markdown report."""
     mb, pp = plan.micro_batches, plan.pp
@@ -156,7 +179,7 @@ def format_plan(plan: Plan, title: str = "") -> str:
              f"expert-data-parallel {plan.edp}. Stages (layers): {plan.partition}. Micro-batch "
              f"{plan.micro_batch_size} x {plan.seq_len} tokens, {mb} micro-batches per step, global batch "
              f"{plan.global_batch_size} sequences = {tokens / 1e6:.1f}M tokens.", "",
-             *_param_lines(plan.params), *_state_lines(plan), *_stage_lines(plan), *_comm_lines(plan),
+             *_param_lines(plan.params), *_state_lines(plan), *_stage_lines(plan), *_comm_lines(plan), *_node_lines(plan),
              _bubble_line(plan, pp, mb), "",
              f"**Verdict:** the heaviest rank (stage {plan.peak_stage}) needs {fmt_bytes(plan.peak_bytes)}; "
              f"it {verdict} in {plan.gpu_memory_gb:g} GB.", ""]
