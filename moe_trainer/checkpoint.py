@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .models.init import global_view
+from .parallel.zero import fp32_partitions
 from .tensor_file import TensorFile, write_safetensors
 
 MANIFEST = "manifest.json"
@@ -76,9 +77,11 @@ def link_optimizer_state(engine) -> None:
     optimizer step, and only for the param groups that had state by then (the
     second group is missed); before any step torch's Adam has no state at all.
     Create missing state as torch's AdamW would (zeros, step 0), then relink.
+    Both of DeepSpeed's ZeRO-1 optimizers (DeepSpeedZeroOptimizer, and BF16_Optimizer for bf16 with
+    fp32 gradient accumulation) link fragments this way; only their partitions' names differ.
     """
     zero = engine.optimizer
-    for flat in zero.single_partition_of_fp32_groups:
+    for flat in fp32_partitions(engine):
         st = zero.optimizer.state[flat]
         if "exp_avg" not in st:
             st["step"] = torch.tensor(0.0, device=flat.device)  # fused AdamW keeps it on the parameter's device

@@ -197,23 +197,38 @@ class MicroGradNorms:
 
 class ReducedGradNorm:
     """The squared norm of the all-reduced (global-batch) gradient over the same
-    parameters, read from what DeepSpeed's ZeRO-1/2 optimizer computes anyway.
+    parameters, read from what DeepSpeed's optimizer computes anyway.
 
-    DeepSpeed's `scaled_global_norm` calls `get_grad_norm_direct` once per
-    optimizer param group on the averaged gradient partitions, all-reduced over
-    the data-parallel and model-parallel groups. This wraps that method to keep
-    the per-group norms; `take()` returns the squared sum of the groups that are
-    not MoE groups (expert-parallel experts live in their own 'moe' groups when
-    ep > 1), so no extra communication is needed. Tied to DeepSpeed's
-    stage_1_and_2 optimizer (checked at construction).
+    Both ZeRO-1 optimizers DeepSpeed picks are supported (parallel/zero.py):
+    - DeepSpeedZeroOptimizer (fp32 runs; bf16 with train.grad_accum_dtype=bf16):
+      `scaled_global_norm` calls `get_grad_norm_direct` once per optimizer param
+      group on the averaged gradient partitions, all-reduced over the data-parallel
+      and model-parallel groups. This wraps that method to keep the per-group norms;
+      `take()` returns the squared sum of the groups that are not MoE groups
+      (expert-parallel experts live in their own 'moe' groups when ep > 1), so no
+      extra communication is needed.
+    - BF16_Optimizer (bf16 with fp32 accumulation): `step` computes the norm of the
+      whole, already all-reduced fp32 gradients, summed over the model-parallel
+      group. Without MoE groups (ep == 1) that norm is the one wanted
+      (`_global_grad_norm`). With them it adds the experts' norm inside one
+      DeepSpeed call, so the non-expert part is computed here again from the
+      gradients BF16_Optimizer hands its norm (`get_grads_for_norm`): one more pass
+      over the dense gradients and one scalar all-reduce over the model-parallel
+      group, only on steps that measure the noise scale.
     """
 
     def __init__(self, engine):
+        from .parallel.zero import uses_bf16_optimizer
         opt = engine.optimizer
-        if not hasattr(opt, "get_grad_norm_direct") or not hasattr(opt, "bit16_groups"):
-            raise TypeError(f"ReducedGradNorm needs DeepSpeed's ZeRO stage 1/2 optimizer, got {type(opt).__name__}")
         self.opt = opt
         self._norms: list[torch.Tensor] = []
+        if uses_bf16_optimizer(engine):
+            self._wrap_bf16(opt)
+            return
+        if not hasattr(opt, "get_grad_norm_direct") or not hasattr(opt, "bit16_groups"):
+            raise TypeError(f"ReducedGradNorm needs DeepSpeed's ZeRO stage 1/2 optimizer or its BF16_Optimizer, "
+                            f"got {type(opt).__name__}")
+        self.bf16 = False
         inner = opt.get_grad_norm_direct
 
         def recording(gradients, params, norm_type=2):
@@ -222,10 +237,36 @@ class ReducedGradNorm:
             return norm
         opt.get_grad_norm_direct = recording
 
+    def _wrap_bf16(self, opt) -> None:
+        self.bf16 = True
+        inner = opt.get_grads_for_norm
+
+        def recording(for_clipping=False):
+            out = inner(for_clipping=for_clipping)
+            if not for_clipping:  # step() asks for (non-expert grads, {ep group: expert grads}) to take the norm
+                # with MoE groups the dense part is ours to compute; without, take() reads the optimizer's norm
+                self._norms.append(self._dense_sq(out[0]) if opt.has_moe_layers else None)
+            return out
+        opt.get_grads_for_norm = recording
+
+    def _dense_sq(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Squared norm of the non-expert gradients of every model-parallel rank (tp shards counted once
+        each, replicated parameters on tp rank 0: get_grads_for_norm chose them). A device scalar."""
+        import torch.distributed as dist
+        sq = torch.zeros((), dtype=torch.float32, device=self.opt.fp32_groups_flat_partition[0].device)
+        for g in grads:
+            sq = sq + squared_norm(g)
+        group = self.opt.mpu.get_model_parallel_group() if self.opt.mpu is not None else None
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(sq, group=group)
+        return sq
+
     def take(self) -> Optional[torch.Tensor]:
         """Squared global-batch gradient norm over the non-MoE groups of the last
         optimizer step (0-dim tensor, already global), or None when no norm was
         computed (e.g. an overflow step)."""
+        if self.bf16:
+            return self._take_bf16()
         norms, self._norms = self._norms, []
         n = len(self.opt.bit16_groups)
         if len(norms) < n:
@@ -237,3 +278,15 @@ class ReducedGradNorm:
         scale = float(getattr(self.opt, "loss_scale", 1.0) or 1.0)
         total = sum(norms[i].square() for i in range(n) if not moe[i])
         return torch.as_tensor(total, dtype=torch.float32) / scale ** 2
+
+    def _take_bf16(self) -> Optional[torch.Tensor]:
+        norms, self._norms = self._norms, []
+        if not norms:
+            return None  # no optimizer step since the last take()
+        # BF16_Optimizer has no loss scale; on a non-finite norm it skips the step and records inf
+        norm = self.opt._global_grad_norm
+        if not math.isfinite(float(norm)):  # host sync: once per step, as the ZeRO path's check
+            return None
+        if norms[-1] is None:  # no MoE groups: the optimizer's norm is the dense one
+            return torch.as_tensor(norm, dtype=torch.float32).square()
+        return norms[-1]
