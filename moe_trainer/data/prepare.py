@@ -26,7 +26,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import sys
 import time
 import zlib
 from collections import deque
@@ -46,6 +45,7 @@ SHARD_TOKENS = 1 << 28  # 268M tokens per train shard (512 MB as uint16)
 PARQUET_ROWS = 1024
 IN_FLIGHT_PER_WORKER = 2  # chunks queued per worker: enough to keep it busy, a bound on memory
 PROGRESS = "progress.json"
+PROGRESS_EVERY_S = 5.0
 
 
 def expand_inputs(specs: Iterable[str]) -> list[tuple[Path, str]]:
@@ -121,28 +121,38 @@ def _skip(f, offset: int) -> None:
         offset -= got
 
 
+def _utf8_end(data: bytes) -> int:
+    """len(data) less a UTF-8 character cut short at its end."""
+    for k in range(1, min(4, len(data)) + 1):
+        b = data[-k]
+        if b & 0xC0 != 0x80:  # ASCII or a lead byte: the last character starts here
+            size = 1 if b < 0x80 else 2 if b < 0xE0 else 3 if b < 0xF0 else 4
+            return len(data) - k if size > k else len(data)
+    return len(data)
+
+
 def _blobs(f, chunk_bytes: int, whole_lines: bool) -> Iterator[bytes]:
-    """Blocks of about chunk_bytes ending at a newline. A line longer than a block is kept whole
-    when `whole_lines` (a JSON record), else cut where a UTF-8 character starts."""
-    rest = b""
+    """Blocks ending at a newline: each the stream's next chunk_bytes cut after its last newline, so
+    where the blocks fall depends only on where the first one starts (a resume cuts as the first
+    run did). A line longer than that is kept whole when `whole_lines` (a JSON record), else cut
+    where a UTF-8 character starts."""
+    data = b""
     while True:
-        block = f.read(chunk_bytes)
-        data = rest + block
+        block = f.read(chunk_bytes - len(data) if len(data) < chunk_bytes else chunk_bytes)
+        data += block
         if not block:
             if data:
                 yield data
             return
+        if len(data) < chunk_bytes:
+            continue  # a short read: fill the window first
         cut = data.rfind(b"\n") + 1
         if cut == 0 and not whole_lines:
-            cut = len(data)
-            while cut > 0 and data[cut - 1] & 0xC0 == 0x80:  # back to the start of a UTF-8 character
-                cut -= 1
-            cut = cut - 1 if cut and data[cut - 1] >= 0xC0 else cut
+            cut = _utf8_end(data)
         if cut == 0:
-            rest = data
-            continue
-        rest = data[cut:]
+            continue  # a record longer than the window: read on
         yield data[:cut]
+        data = data[cut:]
 
 
 def _line_chunks(fi: int, path: Path, key: str, kind: str, offset: int, record: int, chunk_bytes: int,
@@ -355,9 +365,8 @@ def _begin(partial: Path, settings: dict, say: Callable[[str], None]) -> dict:
         for f in partial.iterdir():
             if f.name not in keep:
                 f.unlink()
-        done = sum(len(v) for v in state["shards"].values())
-        say(f"resuming {partial}: {done} finished shard{'s' * (done != 1)} kept, from input file "
-            f"{state['position'][0] + 1} record {state['position'][2] + 1}")
+        say(f"resuming {partial}: {len(state['shards']['train'])} train and {len(state['shards']['val'])} validation "
+            f"shards kept, from input file {state['position'][0] + 1} record {state['position'][2] + 1}")
         return state
     if partial.exists():
         say(f"starting {partial} over: its inputs or settings differ from this command's")
@@ -420,17 +429,17 @@ def _dtype(vocab_size: int) -> str:
 # ----------------------------------------------------------------------------- the preparation
 
 class Progress:
-    """Throughput and ETA on stderr every `every` seconds."""
+    """Throughput and ETA, said every PROGRESS_EVERY_S seconds."""
 
-    def __init__(self, total_bytes: int, done_bytes: int, say: Callable[[str], None], every: float = 5.0):
-        self.total, self.start_bytes, self.say, self.every = total_bytes, done_bytes, say, every
+    def __init__(self, total_bytes: int, done_bytes: int, say: Callable[[str], None]):
+        self.total, self.start_bytes, self.say = total_bytes, done_bytes, say
         self.t0 = self.last = time.monotonic()
         self.tokens = 0
 
     def update(self, consumed: int, tokens: int) -> None:
         self.tokens += tokens
         now = time.monotonic()
-        if now - self.last < self.every:
+        if now - self.last < PROGRESS_EVERY_S:
             return
         self.last, dt = now, max(now - self.t0, 1e-9)
         rate = (consumed - self.start_bytes) / dt  # input bytes/s

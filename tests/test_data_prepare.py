@@ -1,0 +1,207 @@
+"""prepare_data at scale: streamed inputs of every kind, parallel workers against the tokenizer
+itself, bounded shards, resume, malformed input, and its messages."""
+import gzip
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from moe_trainer.data import DataError, open_token_dir, prepare
+
+from conftest import ROOT, env, toy_documents, train_tokenizer
+
+prep = importlib.import_module("moe_trainer.data.prepare")
+DOCS = toy_documents(300, seed=1)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return train_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+
+
+def write_jsonl(path, docs):
+    path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(docs)))
+    return path
+
+
+def split_tokens(token_dir, split):
+    index = json.loads((token_dir / "index.json").read_text())
+    return np.concatenate([np.fromfile(token_dir / s["file"], dtype=index["dtype"])
+                           for s in index["splits"][split]["shards"]])
+
+
+def expected(tok_file, files: dict[str, list[str]], val_fraction: float) -> dict[str, np.ndarray]:
+    """The reference: each document alone through the tokenizer, then EOS, split by its name
+    (the file's name and the record's line), in input order."""
+    from tokenizers import Tokenizer
+    t = Tokenizer.from_file(str(tok_file))
+    eos = t.token_to_id("<|endoftext|>")
+    out = {"train": [], "val": []}
+    for name, docs in files.items():
+        for n, text in enumerate(docs, 1):
+            split = "val" if prep.is_val(f"{name}:{n}", val_fraction) else "train"
+            out[split] += t.encode(text, add_special_tokens=False).ids + [eos]
+    return {s: np.array(v) for s, v in out.items()}
+
+
+def test_two_workers_write_what_the_tokenizer_writes_alone_in_bounded_shards(tmp_path, tok):
+    src = write_jsonl(tmp_path / "a.jsonl", DOCS)
+    kw = dict(chunk_bytes=2000, shard_tokens=1500)
+    one = prepare([str(src)], str(tmp_path / "one"), str(tok), val_fraction=0.1, workers=1, **kw)
+    two = prepare([str(src)], str(tmp_path / "two"), str(tok), val_fraction=0.1, workers=2, **kw)
+    ref = expected(tok, {"a.jsonl": DOCS}, 0.1)
+    for split in ("train", "val"):
+        assert np.array_equal(split_tokens(tmp_path / "two", split), ref[split])
+        assert np.array_equal(split_tokens(tmp_path / "one", split), ref[split])
+        shards = two["splits"][split]["shards"]
+        for s in shards:  # each shard's own count and largest id, as read back
+            ids = np.fromfile(tmp_path / "two" / s["file"], dtype=np.uint16)
+            assert len(ids) == s["num_tokens"] and int(ids.max()) == s["max_id"]
+    train = two["splits"]["train"]["shards"]
+    assert len(train) > 3 and max(s["num_tokens"] for s in train) < 1500 + 2000  # a shard + one chunk at most
+    assert two == one and not (tmp_path / "two.partial").exists()
+
+
+def test_every_input_kind_reads_the_same_documents(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+    docs = DOCS[:60]
+    body = "".join(json.dumps({"text": t}) + "\n" for t in docs).encode()
+    d = tmp_path / "in"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.jsonl.gz").write_bytes(gzip.compress(body))
+    (d / "sub" / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(body))
+    pq.write_table(pa.table({"text": docs}), d / "c.parquet", row_group_size=7)
+    (d / "d.txt").write_text(docs[0])
+    index = prepare([str(d)], str(tmp_path / "out"), str(tok), val_fraction=0.2, chunk_bytes=500)
+    # the reference, file by file in the order of their paths inside the directory; a .txt file is one
+    # document named by the file alone
+    parts = {"train": [], "val": []}
+    for name in ("a.jsonl.gz", "c.parquet", "d.txt", "sub/b.jsonl.zst"):
+        if name == "d.txt":
+            side = "val" if prep.is_val("d.txt", 0.2) else "train"
+            ref = {"train": [], "val": []}
+            ref[side] = np.concatenate([*expected(tok, {"d.txt": [docs[0]]}, 0.2).values()])
+        else:
+            ref = expected(tok, {name: docs}, 0.2)
+        for s in parts:
+            parts[s].append(np.asarray(ref[s], dtype=np.int64))
+    for s in parts:
+        assert np.array_equal(split_tokens(tmp_path / "out", s), np.concatenate(parts[s])), s
+    assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 3 * 60 + 1
+    # a glob names its files by their own names
+    again = prepare([str(d / "*.gz")], str(tmp_path / "g"), str(tok), val_fraction=0.2)
+    assert np.array_equal(split_tokens(tmp_path / "g", "val"), expected(tok, {"a.jsonl.gz": docs}, 0.2)["val"])
+    assert again["splits"]["val"]["documents"] > 0
+
+
+def test_the_split_does_not_depend_on_how_the_path_is_typed(tmp_path, tok, monkeypatch):
+    write_jsonl(tmp_path / "a.jsonl", DOCS[:100])
+    absolute = prepare([str(tmp_path / "a.jsonl")], str(tmp_path / "abs"), str(tok), val_fraction=0.2)
+    monkeypatch.chdir(tmp_path)
+    relative = prepare(["a.jsonl"], "rel", str(tok), val_fraction=0.2)
+    assert relative["splits"] == absolute["splits"]
+
+
+def test_an_interrupted_preparation_resumes_without_redoing_finished_shards(tmp_path, tok, monkeypatch):
+    src = write_jsonl(tmp_path / "a.jsonl", DOCS)
+    kw = dict(val_fraction=0.1, chunk_bytes=2000, shard_tokens=1500)
+    whole = prepare([str(src)], str(tmp_path / "whole"), str(tok), **kw)
+    out = tmp_path / "out"
+    checkpoint, calls = prep._checkpoint, []
+
+    def interrupted(*args):
+        checkpoint(*args)
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(prep, "_checkpoint", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(src)], str(out), str(tok), **kw)
+    assert not out.exists()  # never a directory that looks complete
+    progress = json.loads((out.with_name("out.partial") / "progress.json").read_text())
+    kept = len(progress["shards"]["train"])
+    assert kept == 3
+    monkeypatch.setattr(prep, "_checkpoint", checkpoint)
+    encoded, encode = [], prep.Encoder.__call__
+    monkeypatch.setattr(prep.Encoder, "__call__", lambda self, c: encoded.append(c.first) or encode(self, c))
+    said = []
+    resumed = prepare([str(src)], str(out), str(tok), say=said.append, **kw)
+    assert resumed == whole and any("resuming" in s and "3 train and" in s for s in said)
+    for split in ("train", "val"):
+        assert np.array_equal(split_tokens(out, split), split_tokens(tmp_path / "whole", split))
+    assert min(encoded) > 0  # the finished shards' records were not encoded again
+    # changed inputs start over, with a sentence
+    with pytest.raises(KeyboardInterrupt):
+        monkeypatch.setattr(prep, "_checkpoint", interrupted)
+        calls.clear()
+        prepare([str(src)], str(tmp_path / "o2"), str(tok), **kw)
+    monkeypatch.setattr(prep, "_checkpoint", checkpoint)
+    write_jsonl(src, DOCS[:200])
+    said.clear()
+    prepare([str(src)], str(tmp_path / "o2"), str(tok), say=said.append, **kw)
+    assert any("starting" in s and "over" in s for s in said)
+
+
+def test_malformed_records_fail_with_file_and_line_or_are_counted(tmp_path):
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "fine too"}\nnot json\n{"body": "no text"}\n' +
+                   "".join(json.dumps({"text": t}) + "\n" for t in DOCS[:50]))
+    with pytest.raises(DataError, match=r"b.jsonl line 3 is not a JSON object with a 'text' string.*--on-error skip"):
+        prepare([str(bad)], str(tmp_path / "o"))
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+    said = []
+    index = prepare([str(bad)], str(tmp_path / "o"), on_error="skip", val_fraction=0.1, say=said.append)
+    assert index["skipped"] == 2 and any("line 4" in s for s in said)
+    assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 52
+
+
+def test_prepare_data_cli_messages(tmp_path, tok):
+    tool = [sys.executable, str(ROOT / "tools" / "prepare_data.py")]
+    run = lambda *a: subprocess.run(tool + [str(x) for x in a], capture_output=True, text=True, env=env(),  # noqa
+                                    timeout=120)
+    helptext = run("--help").stdout
+    assert "Memory is flat in the corpus size" in helptext and "--workers" in helptext and "--on-error" in helptext
+    src = write_jsonl(tmp_path / "a.jsonl", DOCS[:2])
+    proc = run(tmp_path / "o", src, "--val-fraction", "0.01")
+    assert proc.returncode == 2 and "--val-fraction (now 0.01)" in proc.stderr and "Traceback" not in proc.stderr
+    # a Hugging Face tokenizer directory, as convert_hf takes it
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "tokenizer.json").write_text(tok.read_text())
+    src = write_jsonl(tmp_path / "b.jsonl", DOCS)
+    proc = run(tmp_path / "o", src, "--tokenizer", tmp_path / "hf", "--workers", "2")
+    assert proc.returncode == 0, proc.stderr
+    from tokenizers import Tokenizer
+    n = Tokenizer.from_file(str(tok)).get_vocab_size()
+    index, streams = open_token_dir(tmp_path / "o", 512)
+    assert index["vocab_size"] == (n + 63) // 64 * 64 and streams["train"].max_id < n
+    proc = run(tmp_path / "o2", src, "--tokenizer", tmp_path)  # a directory without one
+    assert proc.returncode == 2 and "without a tokenizer.json" in proc.stderr
+
+
+def test_progress_says_throughput_and_eta(tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "PROGRESS_EVERY_S", 0.0)
+    src = write_jsonl(tmp_path / "a.jsonl", DOCS)
+    said = []
+    prepare([str(src)], str(tmp_path / "o"), val_fraction=0.1, chunk_bytes=4000, say=said.append)
+    lines = [s for s in said if "ETA" in s]
+    assert lines and "MB/s" in lines[-1] and "M tokens/s" in lines[-1] and "%" in lines[-1]
+
+
+def test_a_text_file_larger_than_a_chunk_is_one_document_cut_between_characters(tmp_path):
+    text = "héllo wörld ✓ naïve " * 300 + "\n" + "x" * 500  # multi-byte characters, a long last line
+    (tmp_path / "big.txt").write_text(text)
+    (tmp_path / "small.txt").write_text("tiny")
+    index = prepare([str(tmp_path)], str(tmp_path / "o"), val_fraction=0.5, chunk_bytes=97)
+    docs = []
+    for split in ("train", "val"):
+        ids = split_tokens(tmp_path / "o", split)
+        ends = np.flatnonzero(ids == 257)  # EOS ends each document
+        docs += [bytes(d[:-1].astype(np.uint8)).decode() for d in np.split(ids, ends + 1)[:-1]]
+    assert sorted(docs) == sorted([text, "tiny"])
+    assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 2
