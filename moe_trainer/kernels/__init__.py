@@ -38,6 +38,9 @@ class Backend(Protocol):
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                   scale: float) -> torch.Tensor: ...
 
+    def chunked_causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                                 q_chunks: tuple[int, ...]) -> torch.Tensor: ...
+
     def experts(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gate: Optional[torch.Tensor],
                 counts: torch.Tensor) -> torch.Tensor: ...
 

@@ -8,7 +8,8 @@
 - Attention: `F.scaled_dot_product_attention` (flash / memory-efficient kernels on GPUs);
   grouped-query attention through `enable_gqa`; MLA's value head, narrower than its query/key
   head, is zero-padded to the query/key size (flash attention needs equal head sizes) and the
-  output cut back.
+  output cut back. Context parallelism's attention of query chunks over the whole sequence runs
+  without a mask, by chunk pairs merged on their log-sum-exps (kernels/chunked_attention.py).
 - RMSNorm: torch's fused `F.rms_norm` in fp32, cast back before the gain (Hugging Face's order).
 - Sorting tokens by expert: `torch.argsort(stable=True)` and counts by `scatter_add_`
   (`torch.bincount` reads its maximum on the host).
@@ -20,6 +21,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from .chunked_attention import chunked_causal_attention
 
 # Rows of each expert's group start at a multiple of this in the padded layout: the alignment
 # the sm90 grouped-GEMM kernels want for bf16 group offsets (16 rows also covers fp8's 16 bytes).
@@ -123,6 +126,13 @@ class AcceleratorBackend:
         """Attention with a boolean mask (True: may attend), grouped-query heads as above."""
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
+
+    @staticmethod
+    def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                                 q_chunks: tuple[int, ...]) -> torch.Tensor:
+        """(B, H, n*c, Dqk) queries at global chunk indices q_chunks x (B, Hkv, S, Dqk) x (B, Hkv, S, Dv)
+        keys and values of the whole sequence in order -> (B, H, n*c, Dv), causal by global position."""
+        return chunked_causal_attention(q, k, v, scale, q_chunks)
 
     @staticmethod
     def experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gate: Optional[torch.Tensor],

@@ -35,6 +35,15 @@ class ReferenceBackend(AcceleratorBackend):
         return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
 
     @classmethod
+    def chunked_causal_attention(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                                 q_chunks: tuple[int, ...]) -> torch.Tensor:
+        """The same with explicit scores under the mask of global positions (T/cp, S)."""
+        c = q.shape[2] // len(q_chunks)
+        q_pos = torch.cat([torch.arange(a * c, (a + 1) * c, device=q.device) for a in q_chunks])
+        mask = q_pos[:, None] >= torch.arange(k.shape[2], device=q.device)[None, :]
+        return cls.attention(q, k, v, mask, scale)
+
+    @classmethod
     def causal_attention(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         t, s = q.shape[2], k.shape[2]
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril_()  # as SDPA's is_causal

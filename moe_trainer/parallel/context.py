@@ -4,8 +4,12 @@ The sequence is cut into 2*cp equal chunks and cp rank i holds chunks i and
 2cp-1-i, so every rank gets the same amount of causal-attention work (an early
 chunk with few keys paired with a late chunk with many). In each attention
 layer the ranks all-gather K and V (before GQA's head repetition, so only Hkv
-heads travel; backward reduce-scatters their grads) and attend their local
-queries with the causal mask built from global positions.
+heads travel; backward reduce-scatters their grads), put them in global order
+and attend their local queries causally by global position without a mask:
+per query chunk, one causal SDPA call on its own key chunk and one unmasked call
+on the key chunks before it, merged on their log-sum-exps
+(kernels/chunked_attention.py). `MaskedContextParallelAttention`, the same with
+a (T/cp, T) boolean mask, is the reference the tests hold it against.
 
 What the trainer does with cp > 1 (cp_shard_indices / shard_sequence are pure):
 - inputs: `shard_sequence(x, cp, rank)` for input_ids, labels and the
@@ -55,14 +59,48 @@ def cp_causal_mask(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     return q_pos[:, None] >= k_pos[None, :]
 
 
+def cp_gather_order(seq_len: int, cp: int, device=None) -> torch.Tensor:
+    """Pure: (T,) where each global position sits among the all-gathered keys (cp-rank order,
+    each rank's two chunks in turn): gathered.index_select(dim, order) is in global order."""
+    return torch.cat([cp_shard_indices(seq_len, cp, r, device) for r in range(cp)]).argsort()
+
+
 class ContextParallelAttention:
-    """Drop-in for llama3's causal attention: (B, Hq, T/cp, D) x (B, Hkv, T/cp, D) x (B, Hkv, T/cp, D)
-    -> (B, Hq, T/cp, D), attending over the whole sequence's keys. The mask is built once per
-    sequence length and device, on that device (every layer and step reuses it)."""
+    """Drop-in for llama3's causal attention: (B, Hq, T/cp, D) x (B, Hkv, T/cp, D) x (B, Hkv, T/cp, Dv)
+    -> (B, Hq, T/cp, Dv), attending over the whole sequence's keys. The gathered keys' reorder index
+    is built once per sequence length and device, on that device (every layer and step reuses it)."""
 
     def __init__(self, group, cp: int, rank: int, counter: Optional[CommCounter] = None):
         self.group, self.cp, self.rank, self.counter = group, cp, rank, counter
         self.kernels = kernels.backend()
+        self.q_chunks = (rank, 2 * cp - 1 - rank)  # the global chunk indices of the local queries
+        self._orders: dict = {}
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, T/cp, D) -> (B, Hkv, T, D), all cp ranks' shards in cp-rank order."""
+        return all_gather_along_dim(x, 2, self.group, self.counter, "cp")
+
+    def order(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        key = (seq_len, device)
+        if key not in self._orders:
+            self._orders[key] = cp_gather_order(seq_len, self.cp, device)
+        return self._orders[key]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        k, v = self.gather(k), self.gather(v)
+        order = self.order(k.shape[2], k.device)
+        k, v = k.index_select(2, order), v.index_select(2, order)  # (B, Hkv, T, D) in global order
+        return self.kernels.chunked_causal_attention(q, k, v, scale, self.q_chunks)
+
+
+class MaskedContextParallelAttention(ContextParallelAttention):
+    """The reference: the gathered keys as they come, under the (T/cp, T) boolean causal mask of
+    global positions (built once per sequence length and device). A mask rules out flash attention;
+    on CUDA, with grouped-query heads, SDPA falls back to its math kernel and materialises the
+    (B, H, T/cp, T) scores."""
+
+    def __init__(self, group, cp: int, rank: int, counter: Optional[CommCounter] = None):
+        super().__init__(group, cp, rank, counter)
         self._masks: dict = {}
 
     def mask(self, seq_len: int, device: torch.device) -> torch.Tensor:
@@ -72,8 +110,7 @@ class ContextParallelAttention:
         return self._masks[key]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        k = all_gather_along_dim(k, 2, self.group, self.counter, "cp")  # (B, Hkv, T, D)
-        v = all_gather_along_dim(v, 2, self.group, self.counter, "cp")
+        k, v = self.gather(k), self.gather(v)  # (B, Hkv, T, D) in cp-rank order
         return self.kernels.attention(q, k, v, self.mask(k.shape[2], q.device), scale)
 
 
