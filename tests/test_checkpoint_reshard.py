@@ -1,7 +1,8 @@
 """Sharded checkpoints load under any layout, exactly: a checkpoint is loaded by another layout's
 ranks (each reading only its pieces) and written again by them (moe_trainer.reshard); the two
 hold the same weights, Adam moments and balancing biases to 1e-6. A chain of layouts covers
-ep2/w2 -> w1, w1 -> ep4/w4, pp2 x ep2 -> pp1 x ep4 and llama3 tp2 x pp2 -> w1."""
+ep2/w2 -> w1, w1 -> ep4/w4, pp2 x ep2 in the old rank order (pipeline innermost) -> the MoE order
+-> pp1 x ep4 and llama3 tp2 x pp2 -> w1."""
 import base64
 import json
 import math
@@ -52,7 +53,13 @@ def test_moe_checkpoint_moves_between_layouts(moe_reference, tmp_path):
     ep4 = reshard(4, one, tmp_path / "ep4", BASE + ["parallel.ep=4"])  # w1 -> ep4/w4
     assert len(list(ep4.glob("part-r*.safetensors"))) == 4
     assert_same_state(one, ep4)
-    pp2 = reshard(4, ep4, tmp_path / "pp2ep2", BASE + ["parallel.pp=2", "parallel.ep=2"])
+    # pp2 x ep2 written under the rank order MoE runs had before (pipeline innermost), read under today's
+    old = reshard(4, ep4, tmp_path / "pp2ep2_old", BASE + ["parallel.pp=2", "parallel.ep=2",
+                                                           "parallel.rank_order=tp-cp-pp-dp"])
+    assert json.loads((old / "state.json").read_text())["layout"]["order"] == "tp-cp-pp-dp"
+    pp2 = reshard(4, old, tmp_path / "pp2ep2", BASE + ["parallel.pp=2", "parallel.ep=2"])
+    assert json.loads((pp2 / "state.json").read_text())["layout"]["order"] == "tp-cp-dp-pp"
+    assert_same_state(one, old)
     assert_same_state(one, pp2)
     back = reshard(4, pp2, tmp_path / "pp1ep4", BASE + ["parallel.ep=4"])  # pp2 x ep2 -> pp1 x ep4
     assert_same_state(one, back)
