@@ -150,3 +150,7 @@ class DeepSpeedMPU:
 
     def get_pipeline_model_parallel_world_size(self):
         return self.mesh.layout.pp
+
+    def get_pipeline_model_parallel_group(self):
+        # BF16_Optimizer sums expert gradient norms over the pipeline stages (experts are not tp-sharded)
+        return self._group("pp")
