@@ -6,7 +6,9 @@ import random
 import signal
 import subprocess
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -82,9 +84,10 @@ def _rank_pids(marker: str) -> list[int]:
     return pids
 
 
-def _start(n: int, out: Path, overrides: list[str]) -> subprocess.Popen:
+def _start(n: int, out: Path, overrides: list[str], port: Optional[int] = None) -> subprocess.Popen:
+    """The trainer under the deepspeed launcher; its rank 0 hosts the rendezvous store on `port`."""
     args = [a for o in overrides + [f"run.out_dir={out}"] for a in ("--set", o)]
-    cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(n), "--master_port", str(free_port()),
+    cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(n), "--master_port", str(port or free_port()),
            "--module", "moe_trainer.train", "--config=configs/moe_tiny.yaml", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -114,15 +117,125 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
     assert step >= 3 and max(r["step"] for r in read_metrics(out)) == step
 
 
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "a collective failed" in line]
+
+
 def test_a_dead_rank_ends_the_job_quickly(tmp_path):
     out = tmp_path / "run"
     proc = _start(2, out, BASE + ["train.max_steps=100000", "train.checkpoint_every=0", "parallel.timeout_s=60"])
     _wait_for_steps(out, 2, proc)
     t0 = time.time()
     os.kill(_rank_pids(str(out))[1], signal.SIGKILL)
-    proc.communicate(timeout=150)
-    assert proc.returncode != 0
+    _, stderr = proc.communicate(timeout=150)
+    assert proc.returncode != 0  # the launcher passes on the first failure it sees: rank 1's SIGKILL
     assert time.time() - t0 < 120
+    # one line for the job, from rank 0, naming the rank that never answered through the store
+    lines = _error_lines(stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: ") and "Rank(s) 1 never answered" in lines[0], \
+        stderr[-3000:]
+
+
+def _exited(pid: int) -> bool:
+    """The process is gone or a zombie its parent (the launcher) has not reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def test_a_stopped_rank_times_out_with_one_line_naming_the_ranks(tmp_path):
+    """Rank 1 frozen (SIGSTOP: alive, but it never arrives): rank 0's collective times out after
+    parallel.timeout_s and it ends with exit 4 and one line naming itself and rank 1, which never
+    answered through the rendezvous store, within the timeout and a few seconds."""
+    out, timeout_s = tmp_path / "run", 10
+    proc = _start(2, out, BASE + ["train.max_steps=100000", "train.checkpoint_every=0",
+                                  f"parallel.timeout_s={timeout_s}"])
+    _wait_for_steps(out, 2, proc)
+    pids = _rank_pids(str(out))
+    t0 = time.time()
+    os.kill(pids[1], signal.SIGSTOP)
+    while not _exited(pids[0]) and time.time() - t0 < timeout_s + 60:
+        time.sleep(0.2)
+    took = time.time() - t0
+    os.kill(pids[1], signal.SIGKILL)  # a frozen rank ignores the launcher's SIGTERM (it waits 30 s, then kills)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 4, stderr[-3000:]
+    # the timeout, CollectiveWatch.ANSWER_S for the answers, and a loaded 2-core machine's slack
+    assert took < timeout_s + 20, took
+    lines = _error_lines(stderr)
+    assert len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith("error: rank 0: ") and f"parallel.timeout_s={timeout_s} s" in lines[0]
+    assert "Rank(s) 1 never answered through the rendezvous store" in lines[0]
+
+
+def test_an_nccl_watchdog_signal_ends_the_job_with_one_line(tmp_path):
+    """NCCL's watchdog, on a timeout, writes its rank to the store's `exception_dump` key (and ends its
+    process a minute later); its main thread never sees an exception. Written here by hand into a gloo
+    job's store, the same signal must end every rank within seconds with one line naming rank 1."""
+    import torch.distributed as dist
+
+    from moe_trainer.parallel.launch import NCCL_SIGNAL
+    out, port = tmp_path / "run", free_port()
+    proc = _start(2, out, BASE + ["train.max_steps=100000", "train.checkpoint_every=0"], port=port)
+    _wait_for_steps(out, 2, proc)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    t0 = time.time()
+    store.set(NCCL_SIGNAL, (1).to_bytes(4, "little", signed=True))  # ProcessGroupNCCL writes a native int
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 4, stderr[-3000:]
+    assert time.time() - t0 < 30
+    lines = _error_lines(stderr)
+    assert len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith("error: rank 1: ") and "NCCL's watchdog" in lines[0]
+    assert "Every rank answered" in lines[0]  # both were alive
+    assert "Traceback" not in stderr
+
+
+def test_failure_line_names_the_origin_and_the_silent_ranks():
+    from moe_trainer.parallel.launch import failure_line
+    line = failure_line(2, "Timed out waiting 10000ms", 10, {0: "alive", 2: "failed", 3: "failed"}, world=4)
+    assert line.startswith("error: rank 2: a collective failed (Timed out waiting 10000ms)")
+    assert "Rank(s) 3 saw it fail too." in line and "Rank(s) 1 never answered" in line
+    assert "never answered" not in failure_line(0, "x", 10, {0: "failed", 1: "alive"}, world=2)
+    assert "did not answer" in failure_line(0, "x", 10, store_down=True)
+    many = failure_line(0, "x", 10, {0: "failed"}, world=40)
+    assert "Rank(s) 1, 2, " in many and "and 23 more" in many
+
+
+def test_nccl_variables_are_set_before_init_and_the_users_kept(monkeypatch):
+    """On the NCCL back end init_distributed sets launch.NCCL_ENV before the process group is made
+    (torch reads them then), keeps what the user set (or its older alias), and leaves gloo alone."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from moe_trainer.parallel import launch
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(**kwargs):  # what the process group would be made with
+        seen.update({k: os.environ.get(k) for k in [*launch.NCCL_ENV, *launch.NCCL_ALIASES.values()]})
+        raise Stop
+
+    monkeypatch.setattr(deepspeed, "init_distributed", fake_init)
+    for name in [*launch.NCCL_ENV, *launch.NCCL_ALIASES.values()]:
+        monkeypatch.delenv(name, raising=False)
+    accel = get_accelerator()
+    monkeypatch.setattr(accel, "communication_backend_name", lambda: "gloo")
+    with pytest.raises(Stop):
+        launch.init_distributed(60)
+    assert all(v is None for v in seen.values()), seen
+    monkeypatch.setattr(accel, "communication_backend_name", lambda: "nccl")
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")  # the user's
+    monkeypatch.setenv("NCCL_ASYNC_ERROR_HANDLING", "1")  # the user's, by its older name
+    with pytest.raises(Stop):
+        launch.init_distributed(60)
+    assert seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0" and seen["TORCH_NCCL_ASYNC_ERROR_HANDLING"] is None
+    assert seen["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] == "15000" and seen["TORCH_NCCL_ENABLE_MONITORING"] == "1"
+    env = {}
+    assert launch.nccl_environment(env) == launch.NCCL_ENV and env == launch.NCCL_ENV
 
 
 def test_sigkill_at_random_moments_always_resumes_from_a_complete_checkpoint(tmp_path):

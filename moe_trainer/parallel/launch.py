@@ -45,7 +45,7 @@ EXIT_CODE = 4  # a failed collective (train.main's exit status for it)
 def nccl_environment(environ=os.environ) -> dict[str, str]:
     """Set the NCCL_ENV variables that `environ` lacks (before the NCCL process group is made: torch
     reads them when it builds it); returns the ones it set."""
-    added = {k: v for k, v in NCCL_ENV.items() if k not in environ and NCCL_ALIASES.get(k) not in environ}
+    added = {k: v for k, v in NCCL_ENV.items() if k not in environ and NCCL_ALIASES.get(k, k) not in environ}
     environ.update(added)
     return added
 
@@ -61,15 +61,14 @@ def init_distributed(timeout_s: int) -> None:
     from deepspeed.accelerator import get_accelerator
     if "LOCAL_SIZE" not in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
         os.environ["LOCAL_SIZE"] = os.environ["LOCAL_WORLD_SIZE"]
-    nccl = get_accelerator().communication_backend_name() == "nccl"
-    if nccl:
+    if get_accelerator().communication_backend_name() == "nccl":
         nccl_environment()
     deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
     dist.barrier()  # every rank has mapped every peer's shared-memory segment by now
     unlink_shm_segment(dist.get_rank())
     if dist.get_world_size() > 1:
         _WATCH.append(CollectiveWatch(dist.distributed_c10d._get_default_store(), dist.get_rank(),
-                                      dist.get_world_size(), timeout_s, nccl))
+                                      dist.get_world_size(), timeout_s))
         _WATCH[0].start()
 
 
@@ -151,10 +150,10 @@ class CollectiveWatch:
     `first` (who reports: the first rank to compare_set it), `rank/<r>` (each rank's answer:
     "failed" if a collective failed on it, "alive" otherwise), `printed` (the line is out)."""
 
-    POLL_S = 2.0  # one store check per rank per interval while training: a TCP round trip, no device sync
+    POLL_S = 2.0  # two store checks per rank per interval while training: TCP round trips, no device sync
     ANSWER_S = 5.0  # how long the reporting rank waits for the others' answers before it prints
 
-    def __init__(self, store, rank: int, world: int, timeout_s: float, nccl: bool):
+    def __init__(self, store, rank: int, world: int, timeout_s: float):
         # a connection of our own with a short timeout: the process group's keeps its own, and a rank
         # that hosts the store may be stopped or gone
         self.store = store.clone()
@@ -163,10 +162,11 @@ class CollectiveWatch:
         while hasattr(root, "underlying_store"):  # NCCL's signal lives in the store under every prefix
             root = root.underlying_store
         self.root = root
-        self.rank, self.world, self.timeout_s, self.nccl = rank, world, timeout_s, nccl
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self.prefix = f"moe_trainer/failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        # an earlier attempt's signal (torchrun restarts keep their store) is not this attempt's
-        self.stale_signal = nccl and self._check(self.root, NCCL_SIGNAL)
+        # an earlier attempt's signal (torchrun restarts keep their store) is not this attempt's; on other
+        # back ends nothing writes the key, but watching it costs one check and lets gloo tests drive this path
+        self.stale_signal = self._check(self.root, NCCL_SIGNAL)
         self.done = threading.Event()
         self.lock = threading.RLock()  # fail() runs inside _signalled's hold
         self.reported = False
@@ -189,7 +189,7 @@ class CollectiveWatch:
         while not self.done.wait(self.POLL_S):
             if self._check(self.store, self.prefix + "first"):
                 self._follow()
-            if self.nccl and not self.stale_signal and self._check(self.root, NCCL_SIGNAL):
+            if not self.stale_signal and self._check(self.root, NCCL_SIGNAL):
                 self._signalled()
 
     def _signalled(self) -> None:
