@@ -13,7 +13,7 @@ Keys the command leaves at their defaults keep the saved values, so a forgotten
 job stops, what it resumes, fault injection) are always the command's.
 
 Every start appends one line to `config_history.jsonl` (time, world, what it
-resumed, what changed, the MFU peak used, the whole config) before config.yaml
+resumed, what changed, the MFU peak used, what it runs on, the whole config) before config.yaml
 is replaced, so no config a run ran with is lost. A start also copies the data's
 tokenizer files into the run directory and writes `peak_tflops.json`.
 """
@@ -147,7 +147,7 @@ def record_start(start: Start, world: int, peak: tuple[float, str], data_dir: Op
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world": world,
              "resumed_from": str(start.checkpoint) if start.checkpoint else None,
              "changes": {k: [old, new] for k, (old, new) in start.changes.items()},
-             "peak_tflops": peak[0], "peak_source": peak[1], "config": start.cfg.to_dict()}
+             "peak_tflops": peak[0], "peak_source": peak[1], "runtime": runtime(), "config": start.cfg.to_dict()}
     saved = out / "config.yaml"
     with open(out / HISTORY, "a") as f:
         if f.tell() == 0 and saved.is_file():  # a run from before the history: keep the config it ran with
@@ -161,6 +161,21 @@ def record_start(start: Start, world: int, peak: tuple[float, str], data_dir: Op
     atomic_write_text(out / "peak_tflops.json", json.dumps({"peak_tflops": peak[0], "source": peak[1],
                                                             "dtype": start.cfg.train.dtype}, indent=1) + "\n")
     copy_tokenizer(data_dir, out)
+
+
+def runtime() -> dict:
+    """What this start runs on, as rank 0 sees it (the history's `runtime`: the GPU checks read it):
+    the device, the process group's back end, the kernel back end and what DS_ACCELERATOR asked for."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    from . import kernels
+    device = get_accelerator().current_device_name()  # "cuda:0", "cpu": where the trainer put this rank
+    return {"device": device, "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+            "dist_backend": dist.get_backend() if dist.is_initialized() else None,
+            "kernels": kernels.backend().name, "ds_accelerator": os.environ.get("DS_ACCELERATOR"),
+            "torch": torch.__version__}
 
 
 def copy_tokenizer(src: Optional[Path], dst: Path) -> list[str]:
@@ -246,4 +261,4 @@ def print_lines(lines: list[str], stream=sys.stdout) -> None:
 
 
 __all__ = ["RESUMABLE", "HISTORY", "Start", "plan_start", "merge_for_resume", "record_start", "banner",
-           "parameter_counts", "copy_tokenizer", "describe", "resumable"]
+           "parameter_counts", "copy_tokenizer", "describe", "resumable", "runtime"]

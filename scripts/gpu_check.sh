@@ -1,30 +1,44 @@
 #!/usr/bin/env bash
-# On a machine with CUDA GPUs: the GPU tests (tests/test_gpu.py, marked `gpu`: skipped elsewhere),
-# then tokens/s and MFU (against the GPU's datasheet bf16 peak) of the real trainer on one GPU for
-# configs/moe_bench.yaml and configs/moe_1b_gpu.yaml (~1B activated parameters, fits one 80 GB GPU).
+# On a machine with CUDA GPUs: the GPU tests (tests/test_gpu.py, marked `gpu`: skipped elsewhere; the
+# 2-GPU layout comparisons skip with a sentence on one GPU), then tokens/s and MFU (against the GPU's
+# datasheet bf16 peak) of the real trainer on one GPU for configs/moe_bench.yaml and
+# configs/moe_1b_gpu.yaml (~1B activated parameters, fits one 80 GB GPU). Sized for about 8 minutes on
+# one H200. Everything it writes (the tests' runs, the throughput runs and their final checkpoints,
+# ~34 GB for moe_1b_gpu) goes under one scratch directory in TMPDIR, deleted when the script ends,
+# however it ends.
 # Usage: ./scripts/gpu_check.sh [--quick]   (--quick: fewer steps per throughput run)
 source "$(dirname "$0")/_env.sh"
 install_project "[test]"
-export DS_ACCELERATOR="${DS_ACCELERATOR:-cuda}"
+START=$SECONDS
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+trap 'exit 130' INT TERM  # a signal ends the script through the EXIT trap as well
+echo "gpu_check: writing under $WORK (deleted when this script ends)"
+export DS_ACCELERATOR=cuda  # the throughput runs (the tests ask for it themselves)
 if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check: torch sees no CUDA GPU (torch.cuda.is_available() is False); run it on a GPU machine." >&2
   exit 2
 fi
 "$VPY" -c "import torch; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '|', torch.cuda.device_count(), 'x', torch.cuda.get_device_name(0))"
+GPUS="$("$VPY" -c "import torch; print(torch.cuda.device_count())")"
+if [ "$GPUS" -lt 2 ]; then
+  echo "gpu_check: one GPU here, so the ep 2 / pp 2 / pp 2 x ep 2 comparisons over NCCL skip (they need 2 or 4 GPUs)."
+fi
 set +e
-"$VPY" -m pytest -q -p no:xdist -m gpu tests/test_gpu.py
+"$VPY" -m pytest -q -p no:xdist -m gpu --basetemp "$WORK/pytest" tests/test_gpu.py
 TESTS=$?
 set -e
-STEPS=30; WARM=10
+echo "gpu_check: tests done after $((SECONDS - START)) s (pytest exit $TESTS)"
+STEPS=20; WARM=6
 if [ "${1:-}" = "--quick" ]; then STEPS=12; WARM=4; fi
-OUT="$(mktemp -d)"
 for CFG in configs/moe_bench.yaml configs/moe_1b_gpu.yaml; do
   NAME="$(basename "$CFG" .yaml)"
-  # MFU against metrics.device_peak_tflops: the GPU's datasheet bf16 peak
-  "$VPY" -m moe_trainer.train --config "$CFG" --set "run.out_dir=$OUT/$NAME" --set train.dtype=bf16 \
+  # MFU against metrics.device_peak_tflops: the GPU's datasheet bf16 peak. The run ends with a
+  # checkpoint (every run does), written into the scratch directory and deleted with it.
+  "$VPY" -m moe_trainer.train --config "$CFG" --set "run.out_dir=$WORK/$NAME" --set train.dtype=bf16 \
     --set "train.max_steps=$STEPS" --set train.log_every=1 --set train.eval_every=0 --set train.checkpoint_every=0 \
-    --set train.resume=none > "$OUT/$NAME.log" 2>&1 || { tail -20 "$OUT/$NAME.log"; exit 1; }
-  "$VPY" - "$OUT/$NAME/metrics.jsonl" "$WARM" "$NAME" <<'PY'
+    --set train.resume=none > "$WORK/$NAME.log" 2>&1 || { tail -20 "$WORK/$NAME.log"; exit 1; }
+  "$VPY" - "$WORK/$NAME/metrics.jsonl" "$WARM" "$NAME" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 rows = [r for r in rows if "tokens_per_s" in r][int(sys.argv[2]):]
@@ -34,5 +48,7 @@ print(f"{sys.argv[3]}: {tps:,.0f} tokens/s, MFU {100 * mfu:.1f}% of {rows[0]['pe
       f"(median of steps {int(sys.argv[2]) + 1}-{int(sys.argv[2]) + len(rows)}; "
       f"step {statistics.median(r['step_time_s'] for r in rows):.3f} s, peak memory {max(r['memory_gb'] for r in rows):.1f} GB)")
 PY
+  rm -rf "${WORK:?}/$NAME"  # its checkpoint: the next run needs the disk
 done
+echo "gpu_check: done after $((SECONDS - START)) s"
 exit $TESTS

@@ -1,9 +1,20 @@
 """On a CUDA GPU (scripts/gpu_check.sh runs these; without CUDA they are skipped): the model against
-transformers in bf16, the MoE layer's accelerator path against the reference, a forward + backward
-with no host sync at all (torch.cuda.set_sync_debug_mode("error")), training with checkpoint save,
-resume and MTP eval through the real trainer, and with 2+ GPUs the expert- and pipeline-parallel
-layouts against one GPU over NCCL."""
+transformers in bf16, the MoE layer's accelerator path against the reference (also with an expert that
+gets no tokens), a forward + backward with no host sync at all (torch.cuda.set_sync_debug_mode("error")),
+a resumed run against an uninterrupted one, and with 2+ GPUs the expert- and pipeline-parallel layouts
+against one GPU over NCCL, step by step in loss and gradient norm, in fp32 and in bf16.
+
+Every trainer job here is started with DS_ACCELERATOR=cuda, and each test reads from the job's run
+directory (config_history.jsonl's `runtime`) that it ran on CUDA over NCCL with the accelerator kernels:
+a job that quietly fell back to CPU ranks fails. What these tests rely on that a CPU can check runs
+here too: the runtime record, the expert without tokens on the CPU back ends, gpu_check.sh's clean-up."""
 from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,18 +25,38 @@ from moe_trainer.hf import from_hf
 from moe_trainer.models.registry import build_model
 from moe_trainer.moe.layer import MoE
 
-from conftest import ROOT, TINY, check, launch, read_metrics, train_losses
+from conftest import ROOT, TINY, assert_same_steps, check, launch, read_metrics, train_losses
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh)")]
 N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+needs_cuda = pytest.mark.skipif(N_GPUS == 0, reason="needs a CUDA GPU (scripts/gpu_check.sh)")
+GPU = [pytest.mark.gpu, needs_cuda]  # a test's marks (`gpu`: what gpu_check.sh selects)
 CUDA = torch.device("cuda", 0)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()  # host sync: a test
 
 
+def runtime(out: Path) -> dict:
+    """What the run directory says the job's last start ran on (run_dir.runtime, rank 0's view)."""
+    return json.loads((out / "config_history.jsonl").read_text().splitlines()[-1])["runtime"]
+
+
+def assert_ran_on_cuda(out: Path) -> None:
+    r = runtime(out)
+    assert r["device"].startswith("cuda") and r["dist_backend"] == "nccl" and r["kernels"] == "accelerator" \
+        and r["ds_accelerator"] == "cuda", r
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """Trainer jobs ask for CUDA themselves: conftest.env() (bench.turns.worker_env) keeps the
+    environment's DS_ACCELERATOR and would give them cpu without one."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_model_matches_transformers_in_bf16_on_cuda(tmp_path):
     from test_hf_interop import ds_config, hf_model, ids
     cfg = ds_config(attn_implementation="sdpa")
@@ -39,28 +70,64 @@ def test_model_matches_transformers_in_bf16_on_cuda(tmp_path):
         assert rel(ours(x).logits, hf(x).logits) < 3e-2
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
-def test_moe_layer_accelerator_path_equals_reference_on_cuda(dtype, tol):
-    torch.backends.cuda.matmul.allow_tf32 = False
+def moe_layers(device: torch.device, dtype: torch.dtype, names: tuple[str, ...], starve: bool = False) -> dict:
+    """The same MoE layer (seeded) per kernel back end; `starve`: expert 0's selection bias is so low
+    that no token picks it (the bias only steers selection, the gate values stay as they are)."""
     layers = {}
-    for name in ("accelerator", "reference"):
+    for name in names:
         torch.manual_seed(0)
         with kernels.using(name):
             layers[name] = MoE(256, 32, 4, 128, n_shared_experts=1, n_group=4, topk_group=2, norm_topk_prob=True,
-                               routed_scaling_factor=2.5).to(CUDA, dtype)
+                               routed_scaling_factor=2.5).to(device, dtype)
         for p in layers[name].parameters():
             torch.nn.init.normal_(p, std=0.05)
-    x = torch.randn(4, 512, 256, device=CUDA, dtype=dtype)
+        if starve:
+            layers[name].gate.e_score_correction_bias[0] = -1e4
+    return layers
+
+
+def forward_backward(layers: dict, x: torch.Tensor) -> dict:
+    """name -> [output, input grad, the experts' two weight grads] of one forward and backward."""
     out = {}
     for name, layer in layers.items():
         xi = x.clone().requires_grad_()
         y, _ = layer(xi)
         y.float().square().sum().backward()
         out[name] = [y, xi.grad, layer.experts.gate_up_proj.grad, layer.experts.down_proj.grad]
+    return out
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.gpu
+@needs_cuda
+def test_moe_layer_accelerator_path_equals_reference_on_cuda(dtype, tol):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    layers = moe_layers(CUDA, dtype, ("accelerator", "reference"))
+    out = forward_backward(layers, torch.randn(4, 512, 256, device=CUDA, dtype=dtype))
     for a, b in zip(out["accelerator"], out["reference"]):
         assert rel(a, b) < tol
 
 
+@pytest.mark.parametrize("device, name", [
+    ("cpu", "cpu"), ("cpu", "accelerator"),
+    pytest.param("cuda", "accelerator", marks=GPU),
+], ids=["cpu-cpu", "cpu-accelerator", "cuda-accelerator"])
+def test_an_expert_without_tokens_matches_the_reference(device, name):
+    """Expert 0 receives no token (an empty group in the grouped GEMMs): the outputs and gradients
+    still equal the loop-over-experts reference, and expert 0's weight gradients are exactly zero."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    layers = moe_layers(torch.device(device), torch.float32, (name, "reference"), starve=True)
+    out = forward_backward(layers, torch.randn(2, 64, 256, device=device))
+    counts = layers[name].tokens_per_expert
+    assert counts[0] == 0 and (counts[1:] > 0).sum() >= 16, counts  # expert 0 alone starved, the rest used
+    for a, b in zip(out[name], out["reference"]):
+        assert torch.isfinite(a).all() and rel(a, b) < 1e-4
+    for grad in out[name][2:]:
+        assert torch.count_nonzero(grad[0]) == 0 and torch.count_nonzero(grad[1:]) > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_forward_backward_has_no_host_sync_on_cuda():
     cfg = load_config(str(ROOT / "configs/moe_tiny.yaml"), TINY + ["model.num_nextn_predict_layers=1"])
     with kernels.using("accelerator"):
@@ -75,31 +142,88 @@ def test_forward_backward_has_no_host_sync_on_cuda():
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_training_checkpoint_resume_and_mtp_eval_on_cuda(tmp_path):
+@pytest.mark.gpu
+@needs_cuda
+def test_resume_on_cuda_continues_the_uninterrupted_run(on_cuda, tmp_path):
+    """4 steps straight against 2 steps, stop, resume=auto, 2 more (MTP, sequence aux loss, eval and
+    checkpoints every 2 steps; fused AdamW's step on the GPU): the same loss and gradient norm at every
+    step. fp32 (TF32 GEMMs on both sides): the two runs differ only by the GPU's atomics' order."""
     steps = TINY + ["model.num_nextn_predict_layers=1", "model.seq_aux_loss_alpha=0.001", "train.max_steps=4",
-                    "train.checkpoint_every=2", "train.eval_every=2", "train.resume=auto"]
-    out = tmp_path / "run"
-    check(launch(1, out, steps[:-1] + ["train.max_steps=2", "train.resume=auto"], launcher="python"))
-    check(launch(1, out, steps, launcher="python"))  # resumes at step 2: fused AdamW's step on the GPU
+                    "train.checkpoint_every=2", "train.eval_every=2", "train.dtype=fp32"]
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    check(launch(1, straight, steps, launcher="python"))
+    check(launch(1, out, steps + ["train.stop_at_step=2"], launcher="python"))
+    resumed = check(launch(1, out, steps + ["train.resume=auto"], launcher="python"))
+    assert "resumed from" in resumed.stdout and "step_2" in resumed.stdout
+    for run in (straight, out):
+        assert_ran_on_cuda(run)
+    assert_same_steps(straight, out, steps=(1, 2, 3, 4), rel=1e-3)
     rows = read_metrics(out)
-    assert sorted(train_losses(out)) == [1, 2, 3, 4]
-    assert any("val_loss" in r for r in rows)
-    assert all(r.get("mfu", 0) >= 0 for r in rows)
+    assert any("val_loss" in r for r in rows) and all(r.get("mfu", 0) >= 0 for r in rows)
 
 
 LAYOUTS = {"ep2": (2, ["parallel.ep=2"]), "pp2": (2, ["parallel.pp=2"]),
            "pp2_ep2": (4, ["parallel.pp=2", "parallel.ep=2"])}
+# per step: fp32 runs TF32 GEMMs on both sides; bf16 sums micro-batch gradients in bf16 (4 on one GPU,
+# 2 per rank then an all-reduce on two), each rounding ~0.4% of a value
+TOLERANCE = {"fp32": 2e-3, "bf16": 3e-2}
 
 
+@pytest.fixture(scope="module")
+def one_gpu(tmp_path_factory):
+    """dtype -> the one-GPU run the layouts are compared with (each trained once, when first asked for)."""
+    runs = {}
+
+    def run(dtype: str) -> Path:
+        if dtype not in runs:
+            out = tmp_path_factory.mktemp(f"one_gpu_{dtype}") / "run"
+            check(launch(1, out, TINY + ["train.max_steps=3", f"train.dtype={dtype}"], launcher="python"))
+            assert_ran_on_cuda(out)
+            runs[dtype] = out
+        return runs[dtype]
+    return run
+
+
+@pytest.mark.parametrize("dtype", sorted(TOLERANCE))
 @pytest.mark.parametrize("case", sorted(LAYOUTS))
-def test_parallel_layouts_match_one_gpu_over_nccl(case, tmp_path):
+@pytest.mark.gpu
+@needs_cuda
+def test_parallel_layouts_match_one_gpu_over_nccl(on_cuda, one_gpu, case, dtype, tmp_path):
     world, layout = LAYOUTS[case]
     if N_GPUS < world:
-        pytest.skip(f"needs {world} GPUs, found {N_GPUS}")
-    base = TINY + ["train.max_steps=3", "train.dtype=fp32", "parallel.cpu_alltoall=gloo"]
-    one, many = tmp_path / "one", tmp_path / case
-    check(launch(1, one, base, launcher="python"))
-    check(launch(world, many, base + layout))
-    a, b = train_losses(one), train_losses(many)
-    for s in a:
-        assert abs(a[s] - b[s]) <= 2e-3 * abs(a[s]), (s, a[s], b[s])  # TF32 GEMMs on both sides
+        pytest.skip(f"{case} needs {world} GPUs and this machine has {N_GPUS}: the layouts are compared over "
+                    f"NCCL on a machine with {world} or more.")
+    many = tmp_path / case
+    check(launch(world, many, TINY + ["train.max_steps=3", f"train.dtype={dtype}"] + layout))
+    assert_ran_on_cuda(many)
+    assert json.loads((many / "config_history.jsonl").read_text().splitlines()[-1])["world"] == world
+    assert_same_steps(one_gpu(dtype), many, steps=(1, 2, 3), rel=TOLERANCE[dtype])
+
+
+# ----------------------------------------------------------------------------- checked on any machine
+
+def test_the_run_directory_records_device_backend_and_kernels(tmp_path):
+    """The record the GPU tests read, here from a CPU job: device, process-group back end, kernels."""
+    out = tmp_path / "run"
+    check(launch(1, out, TINY + ["train.max_steps=1"], launcher="python"))
+    r = runtime(out)
+    assert (r["device"], r["dist_backend"], r["kernels"], r["ds_accelerator"]) == ("cpu", "gloo", "cpu", "cpu"), r
+    assert r["torch"] == torch.__version__ and sorted(train_losses(out)) == [1]
+
+
+def test_gpu_check_parses_and_deletes_its_scratch_directory(tmp_path):
+    """scripts/gpu_check.sh is valid bash, and on a machine without CUDA it stops with one sentence
+    (exit 2) after removing the scratch directory it had made under TMPDIR (its EXIT trap, which also
+    runs on SIGINT and SIGTERM); on a GPU machine the same trap removes the runs and checkpoints."""
+    script = ROOT / "scripts" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    if N_GPUS:
+        pytest.skip("this machine has CUDA: gpu_check.sh would run the whole check")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.run(["bash", str(script), "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(scratch)})
+    assert proc.returncode == 2 and "torch sees no CUDA GPU" in proc.stderr, proc.stderr[-2000:]
+    made = re.search(r"writing under (\S+)", proc.stdout)
+    assert made and Path(made.group(1)).parent == scratch, proc.stdout
+    assert not Path(made.group(1)).exists() and not list(scratch.iterdir())
