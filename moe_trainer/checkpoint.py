@@ -167,7 +167,8 @@ def _gather_reports(trainer, size: int, digest: str) -> list[tuple[int, str]]:
 
 
 def _finish(trainer, tmp: Path, final: Path, reports: list[tuple[int, str]]) -> Path:
-    state = {"step": trainer.step, "adam_step": adam_step(trainer.engine), "data_position": trainer.step,
+    state = {"step": trainer.step, "adam_step": adam_step(trainer.engine),
+             "data_position": trainer.step + trainer.data_offset,
              "arch": trainer.cfg.model.arch, "layout": trainer.layout.__dict__,
              "model": trainer.cfg.to_dict()["model"], "noise_scale": trainer.noise.state_dict()}
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
@@ -257,11 +258,16 @@ def _candidates(out_dir: Path) -> list[Path]:
     return [p for _, p in sorted(steps, reverse=True)]
 
 
+def step_of(path: Path) -> int:
+    return int(path.name.split("_")[1])
+
+
 def find_resume(out_dir: Path, resume: str, warn: bool = True,
                 files_read: Optional[Callable[[Path], Iterable[str]]] = None,
-                any_rank: Callable[[bool], bool] = lambda bad: bad) -> Optional[Path]:
+                any_rank: Callable[[bool], bool] = lambda bad: bad, at_most: Optional[int] = None) -> Optional[Path]:
     """train.resume: none -> None; a path -> that checkpoint (must be valid);
-    auto -> the newest complete checkpoint, skipping broken ones with a warning.
+    auto -> the newest complete checkpoint (of step `at_most` or before, if given), skipping broken
+    ones with a warning.
     `files_read(path)`: the files this rank will read (their checksums are checked here, by this
     rank); `any_rank` makes every rank agree (a checkpoint is refused if any rank finds a fault)."""
     if resume == "none":
@@ -284,6 +290,8 @@ def find_resume(out_dir: Path, resume: str, warn: bool = True,
             raise CheckpointError(f"cannot resume from {path}: {problem}.")
         return path
     for path in _candidates(out_dir):
+        if at_most is not None and step_of(path) > at_most:
+            continue
         problem = problem_of(path)
         if problem is None:
             return path
@@ -568,6 +576,8 @@ def load(path: Path, trainer) -> int:
                               if torch.is_tensor(st["step"]) else state["adam_step"])
     if "noise_scale" in state:
         trainer.noise.load_state_dict(state["noise_scale"])
+    # batches a spike rollback skipped: sample positions run ahead of the step by that many
+    trainer.data_offset = int(state.get("data_position", state["step"])) - int(state["step"])
     rng = index.rng(trainer.mesh.rank)
     index.close()
     if rng is not None:

@@ -115,6 +115,13 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     max_nan_skips: int = 3  # consecutive non-finite losses skipped before stopping
+    # silent data corruption: every N steps, before the forward, the data-parallel replicas' weights are
+    # compared by checksum and a differing copy repaired from the ZeRO-1 owners (faults.py); 0 = never
+    replica_check_every: int = 100
+    # a loss above 2x the median of the last 16 steps (or a gradient norm above 10x theirs) rolls back to
+    # the last checkpoint before it and skips the batches that led into it; a second spike stops the run
+    spike_guard: bool = True
+    straggler_factor: float = 1.5  # a rank whose compute per step exceeds this x the median is named
     stop_at_step: Optional[int] = None  # end this job after that step (checkpoint written), keeping
     #                                    max_steps' LR schedule: for time-boxed allocations
     keep_freed_memory: bool = True  # CPU ranks on glibc: freed memory stays in the process for reuse
@@ -172,6 +179,9 @@ class MetricsConfig:
 class DebugConfig:
     trace_pipeline: bool = False  # write pipeline_trace.json/png of the last step
     inject_nan_steps: Optional[list] = None  # fault drill: make the loss NaN at these steps (1-based)
+    # faults injected on purpose (faults.py), each fired once per run directory: KIND@STEP[:RANK] with KIND
+    # bitflip | spike | hang | slow | kill | nan, e.g. [bitflip@3:1, spike@9]
+    faults: list = field(default_factory=list)
 
 
 @dataclass
@@ -434,6 +444,13 @@ def validate(cfg: Config) -> None:
     _require(p.rank_order == "auto" or valid_order,
              f"parallel.rank_order must be auto or the four dimensions tp, cp, pp, dp joined by '-', innermost "
              f"first, cp inside dp (expert groups borrow (cp, dp) ranks; e.g. {MOE_ORDER}), got {p.rank_order!r}.")
+    _require(t.replica_check_every >= 0, f"train.replica_check_every must be >= 0, got {t.replica_check_every}.")
+    _require(t.straggler_factor > 1, f"train.straggler_factor must be above 1, got {t.straggler_factor}.")
+    from .faults import FaultSpecError, parse_faults
+    try:
+        parse_faults(cfg.debug.faults)
+    except FaultSpecError as e:
+        raise ConfigError(str(e)) from None
     _require(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be at least 1, got {t.keep_checkpoints}.")
     _require(0.0 < cfg.data.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {cfg.data.val_fraction}.")
     _require(not cfg.data.tokenizer or Path(cfg.data.tokenizer).exists(),

@@ -8,6 +8,7 @@ update from globally summed counts (expert_load/tracker.py) -> metrics -> eval -
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import time
@@ -19,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, run_dir
+from .restart import RESTART_ENV
+from .faults import Faults, ReplicaCheck, SpikeGuard, parse_faults, repair_from_owners, straggler_events
 from .config import Config, Layout, TrainConfig
 from .data import data_dir, open_data
 from .expert_load.tracker import ExpertLoadTracker
@@ -129,6 +132,14 @@ class Trainer:
         self._stopping = False
         self._term = False
         self._nan_skips = 0
+        # the faults of a long run (faults.py); None when unset, so the loop makes no call for them
+        self.faults = (Faults(parse_faults(cfg.debug.faults, self.layout.world), self.out_dir, mesh.rank)
+                       if cfg.debug.faults else None)
+        self.replicas = ReplicaCheck(self.engine.module, mesh, t.replica_check_every)
+        self.replicas = self.replicas if self.replicas.sets and t.replica_check_every else None
+        self.spikes = SpikeGuard() if t.spike_guard else None
+        self.rolled_back_to: Optional[int] = None  # the checkpoint step of the last rollback
+        self.data_offset = 0  # batches skipped by rollbacks: step s trains on sample position s + offset
 
     # ------------------------------------------------------------------ setup
     def _enable_shm_collectives(self) -> None:
@@ -178,10 +189,17 @@ class Trainer:
         self.barrier()
 
     def open_sink(self) -> None:
-        """After resuming: metrics past the resumed step (from the interrupted run) are dropped."""
+        """After resuming: metrics past the resumed step (from the interrupted run) are dropped. A job
+        that moe_trainer.restart started again says so in a restart row."""
         if self.is_logger:
             self.sink = MetricSink(self.out_dir, self.cfg.metrics.tensorboard, self.cfg.train.max_steps,
                                    resume_step=self.step)
+            restart = os.environ.get(RESTART_ENV)  # read once, at start: set by the restart wrapper
+            if restart:
+                attempt, code = restart.split(":")
+                self.sink.log(self.step, {"event": "restart", "attempt": int(attempt), "exit_code": int(code),
+                                          "resumed_from": str(self.resume_from) if self.resume_from else None},
+                              tb_prefix="events/restart/")
 
     def barrier(self) -> None:
         if dist.is_initialized() and self.layout.world > 1:
@@ -205,9 +223,17 @@ class Trainer:
         t = self.cfg.train
         last = {}
         while self.step < t.max_steps and not self._stopping:
+            if self.faults:
+                self.faults.before_step(self.step + 1)
+            if self.replicas and self.replicas.due(self.step):
+                self.check_replicas()
             record = self.train_step()
             self.step += 1
+            if self.faults:
+                self.flip_bit()
             self.check_finite(record)
+            if self.spikes and not record["skipped"] and self.guard_spike(record):
+                continue  # rolled back: the step counter is the checkpoint's now
             self._stopping = self.any_rank(self._term) or self.step == t.stop_at_step
             if self.step % t.log_every == 0 or self.step == t.max_steps or record["skipped"]:
                 last = self.log(record)
@@ -260,12 +286,83 @@ class Trainer:
                                  f"losses in a row (train.max_nan_skips={limit}); the last good state is "
                                  f"checkpoint step_{self.step}.")
 
+    # ------------------------------------------------------------------ faults that do not kill
+    def flip_bit(self) -> None:
+        """bitflip@S:R, right after step S's update."""
+        name = self.faults.after_update(self.step, self.engine.module)
+        if name is not None:
+            print(f"fault injected: rank {self.mesh.rank}: one bit flipped in {name} after step {self.step}",
+                  file=sys.stderr, flush=True)
+
+    def check_replicas(self) -> None:
+        """Before this step's forward: do the replicas agree? If any does not, every rank's weights
+        are gathered again from the ZeRO-1 owners' partitions, and the ranks whose copy changed are
+        named. Collective; one host sync."""
+        flag = self.replicas.mismatched().to(torch.float32).reshape(1)
+        if self.layout.world > 1:
+            all_reduce_small(flag, op="max")
+        if flag.item() == 0:  # host sync, once per check
+            return
+        before = self.replicas.local_sums()
+        repair_from_owners(self.engine)
+        changed = self.replicas.changed(before)
+        reports = [None] * self.layout.world
+        dist.all_gather_object(reports, changed)
+        ranks = [r for r, names in enumerate(reports) if names]
+        params = sorted({n for names in reports for n in names})
+        if self.is_logger:
+            event = {"event": "replica_mismatch", "ranks": ranks, "params": params, "action": "repaired"}
+            print(f"replica mismatch before step {self.step + 1}: rank(s) {ranks} held a copy that differs in "
+                  f"{len(params)} parameter(s) ({', '.join(params[:3])}{', ...' if len(params) > 3 else ''}); "
+                  f"repaired from the ZeRO-1 owners' partitions", file=sys.stderr, flush=True)
+            if self.sink:
+                self.sink.log(self.step, event)
+
+    def guard_spike(self, record: dict) -> bool:
+        """A loss or gradient-norm spike (the same on every rank: both are reduced) rolls the run
+        back to the last checkpoint before it, skipping the batches that led into it; a second
+        spike before a newer checkpoint stops the run. True if it rolled back."""
+        norm = self.engine.get_global_grad_norm()
+        reason = self.spikes.check(record["losses"]["lm"], float(norm) if norm is not None else None)  # host sync
+        if reason is None:
+            return False
+        spiked = self.step
+        if self.rolled_back_to is not None and not (self.out_dir / "checkpoints" /
+                                                    f"step_{self.rolled_back_to}").is_dir():
+            self.rolled_back_to = None  # pruned: a newer checkpoint came after the last rollback
+        found = checkpoint.find_resume(self.out_dir, "auto", warn=self.is_logger, at_most=spiked - 2,
+                                       files_read=lambda path: checkpoint.files_to_read(path, self.model,
+                                                                                        self.mesh.rank),
+                                       any_rank=self.any_rank)
+        if found is None or (self.rolled_back_to is not None and checkpoint.step_of(found) <= self.rolled_back_to):
+            last = f"checkpoint {found}" if found is not None else "no checkpoint from before it"
+            raise TrainingHalted(f"stopped at step {spiked}: {reason}"
+                                 + (f", again after rolling back to step {self.rolled_back_to}"
+                                    if self.rolled_back_to is not None else "")
+                                 + f"; the last good state is {last}.")
+        skip_from = checkpoint.step_of(found) + 1
+        self.step = checkpoint.load(found, self)  # restores data_offset as it was then
+        self.data_offset += spiked - self.step  # and skips the batches of steps skip_from..spiked
+        self.rolled_back_to = self.step
+        self.spikes.reset()
+        event = {"event": "rollback", "to": self.step, "skipped_steps": [skip_from, spiked], "reason": reason}
+        if self.is_logger:
+            print(f"loss spike at step {spiked}: {reason}; rolled back to {found} and skipping the batches of "
+                  f"steps {skip_from}-{spiked}", file=sys.stderr, flush=True)
+            if self.sink:
+                self.sink.log(spiked, event, tb_prefix="events/rollback/")
+        return True
+
     def micro_batch(self, micro: int, source=None, step: Optional[int] = None):
         """(inputs, labels, positions) of this rank's micro-batch: every tp rank of
-        a data-parallel rank reads the same rows; a cp rank keeps its two chunks."""
+        a data-parallel rank reads the same rows; a cp rank keeps its two chunks. Training batches
+        are at sample position step + data_offset (batches a rollback skipped stay skipped)."""
         t = self.cfg.train
+        if source is None and self.faults and micro == 0:
+            time.sleep(self.faults.slow_delay(self.step + 1))  # slow@S:R: this rank's batch comes late
+        position = self.step + self.data_offset if step is None else step
         source = source or self.train_data
-        batch = source.micro_batch(self.step if step is None else step, micro, t.global_batch_size,
+        batch = source.micro_batch(position, micro, t.global_batch_size,
                                    t.micro_batch_size, self.mesh.dp_rank, self.layout.dp)
         if self.device.type != "cpu":  # page-locked, so the copy runs asynchronously to the host
             batch = batch.pin_memory().to(self.device, non_blocking=True)
@@ -287,9 +384,11 @@ class Trainer:
                                 trace=self.trace, counter=self.comm, clock=self.clock)
 
     def train_step(self) -> dict:
-        set_lr(self.engine, get_lr(self.step, self.cfg.train))
+        spike = self.faults.lr_factor(self.step + 1) if self.faults else 1.0  # spike@S: a diverging update
+        set_lr(self.engine, get_lr(self.step, self.cfg.train) * spike)
+        poison = self._poisoned()
         if self.pipelined:
-            return self.pipeline_step()
+            return self.pipeline_step(poison)
         t0 = time.perf_counter()
         sums: dict[str, torch.Tensor] = {}
         marks = []  # per micro-batch: (start, data, forward, backward, optimizer) clock marks
@@ -298,7 +397,7 @@ class Trainer:
             inputs, labels, positions = self.micro_batch(micro)
             tb = self.clock.mark()
             out = self.engine(inputs, labels, positions)
-            if self._poisoned():
+            if poison:
                 out.loss, out.losses["lm"] = out.loss * float("nan"), out.losses["lm"] * float("nan")
             tc = self.clock.mark()
             self.engine.backward(out.loss)
@@ -317,8 +416,11 @@ class Trainer:
         return record
 
     def _poisoned(self) -> bool:
+        """This step's loss made non-finite on the last rank (debug.inject_nan_steps, or nan@S)."""
         steps = self.cfg.debug.inject_nan_steps
-        return bool(steps) and (self.step + 1) in steps and self.mesh.rank == self.layout.world - 1
+        planned = bool(steps) and (self.step + 1) in steps
+        fault = self.faults is not None and self.faults.poison(self.step + 1)
+        return (planned or fault) and self.mesh.rank == self.layout.world - 1
 
     def finish_step(self, sums: dict, times: StepTimes, t0: float) -> dict:
         losses = self.reduce_losses({k: v / self.layout.grad_accum for k, v in sums.items()})
@@ -346,12 +448,12 @@ class Trainer:
         if big is not None and not skipped:
             self.noise.update(float(small), float(big), b_small, b_big)  # host sync
 
-    def pipeline_step(self) -> dict:
+    def pipeline_step(self, poison: bool) -> dict:
         if self.trace.enabled:
             self.barrier()  # a common start, so the trace's stages line up (only when tracing)
         t0 = time.perf_counter()
         self.trace.start(self.clock)
-        self.executor.poison = self._poisoned()
+        self.executor.poison = poison
         res = self.executor.step(self.micro_batch)
         record = self.finish_step(res.losses, StepTimes(), t0)  # ends in a host sync: every mark is done now
         times = record["times"]
@@ -429,7 +531,29 @@ class Trainer:
             record[f"comm.{kind}_s"] = s
         # the step split: time inside the dispatch/combine all-to-alls (forward and backward)
         record["time.all_to_all_s"] = sum(s for k, s in seconds.items() if k.startswith(("dispatch", "combine")))
+        if self.layout.world > 1:
+            self.name_stragglers(r["times"])
         if self.sink:
             self.sink.log(self.step, record)
             self.sink.progress(self.step, record)
         return record
+
+    def name_stragglers(self, times: StepTimes) -> None:
+        """Every rank's own time this step, gathered at log steps; ranks far above the median are
+        named. Loading its batches and its forward passes: the backward is left out because ZeRO's
+        bucketed gradient reduction runs inside it, where every rank waits for the slowest (at ep > 1
+        the forward's all-to-alls wait likewise, so a straggler's EP peers look slow too)."""
+        mine = torch.tensor([times.data + times.forward], device=self.device)
+        every = torch.empty(self.layout.world, device=self.device)
+        dist.all_gather_into_tensor(every, mine)
+        if not self.is_logger:
+            return
+        seconds = every.tolist()  # host sync, at log steps only
+        if self.sink and self.sink.tb is not None and self.layout.world <= 64:
+            for rank, t in enumerate(seconds):
+                self.sink.tb.add_scalar(f"rank_time/{rank}", t, self.step)
+        for event in straggler_events(seconds, self.step, self.cfg.train.straggler_factor):
+            print(f"straggler at step {self.step}: rank {event['rank']} computed {event['ratio']}x the median "
+                  f"rank's time", file=sys.stderr, flush=True)
+            if self.sink:
+                self.sink.log(self.step, {k: v for k, v in event.items() if k != "step"}, tb_prefix="events/straggler/")

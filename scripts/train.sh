@@ -2,8 +2,13 @@
 # Make .venv if missing, install the project, and train the default MoE config on the
 # default corpus with the DeepSpeed launcher: 2 ranks on CPU, every GPU where there are GPUs.
 # Extra arguments go to the trainer: ./scripts/train.sh --set train.max_steps=20
+# --max-restarts K (first): after a failure the job restarts itself, resuming from its last good
+# checkpoint, up to K times (python -m moe_trainer.restart, as torchrun's --max-restarts).
 source "$(dirname "$0")/_env.sh"
+RESTARTS=0
+if [ "${1:-}" = "--max-restarts" ]; then RESTARTS="${2:?--max-restarts needs a count}"; shift 2; fi
 install_project ""
 if has_gpu; then NGPU="$(nvidia-smi -L | wc -l)"; else NGPU=2; fi
 CONFIG="${CONFIG:-configs/moe_tiny.yaml}"
-exec "$ROOT/.venv/bin/deepspeed" --num_gpus "$NGPU" --module moe_trainer.train --config "$CONFIG" "$@"
+exec "$VPY" -m moe_trainer.restart --max-restarts "$RESTARTS" -- \
+  "$ROOT/.venv/bin/deepspeed" --num_gpus "$NGPU" --module moe_trainer.train --config "$CONFIG" "$@"

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -46,7 +47,8 @@ def env() -> dict:
 
 
 def launch(n: int, out_dir: Path, overrides: list[str], config: str = "configs/moe_tiny.yaml",
-           timeout: int = 300, launcher: str = "deepspeed") -> subprocess.CompletedProcess:
+           timeout: int = 300, launcher: str = "deepspeed", max_restarts: Optional[int] = None
+           ) -> subprocess.CompletedProcess:
     """Run the trainer under a real launcher with n ranks; returns the finished process.
 
     "deepspeed" is DeepSpeed's per-node launcher (deepspeed.launcher.launch: it spawns the
@@ -69,6 +71,8 @@ def launch(n: int, out_dir: Path, overrides: list[str], config: str = "configs/m
                "-m", "nccl_p2p_rule", *args]
     else:
         cmd = [sys.executable, "-m", "moe_trainer.train", *args]
+    if max_restarts is not None:  # under the restart wrapper (scripts/train.sh --max-restarts K)
+        cmd = [sys.executable, "-m", "moe_trainer.restart", "--max-restarts", str(max_restarts), "--", *cmd]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 from ..config import Config, ConfigError, Layout, validate_layout
 from .comm import (AllToAllBytes, ZeroComm, _kv_bytes_per_token, _passes, alltoall_bytes_expected, context_parallel_bytes,
                    pipeline_bytes, tensor_parallel_bytes, tensor_parallel_extra_bytes, zero_comm)
-from .nodes import Links, NodeTraffic, stage_node_traffic
+from .nodes import Links, stage_node_traffic
 from .memory import (ModelStateBytes, RankParams, StageActivations, _stage_blocks, model_state_bytes, rank_params,
                      stage_activation_bytes)
 from .params import (GB, PRECISIONS, ParamCount, ParamReport, PlanError, Precision, count_parameters, is_moe_layer,
@@ -168,7 +168,8 @@ def make_plan(cfg: Config, gpus: int, gpu_memory_gb: float = 80.0, zero: int = 1
     if gpus_per_node < 1:
         raise PlanError(f"--gpus-per-node must be a positive integer, got {gpus_per_node}.")
     if links.nvlink_gbps <= 0 or links.ib_gbps <= 0:
-        raise PlanError(f"--nvlink-gbps and --ib-gbps must be positive, got {links.nvlink_gbps:g} and {links.ib_gbps:g}.")
+        raise PlanError(f"--nvlink-gbps and --ib-gbps must be positive, got {links.nvlink_gbps:g} and "
+                        f"{links.ib_gbps:g}.")
     layout = layout_on(cfg, gpus, gpus_per_node)  # parallel.gpus_per_node, when set, wins
     prec = precision_for(precision, t.dtype)
     partition = stage_partition(cfg)

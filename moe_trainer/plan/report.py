@@ -179,7 +179,8 @@ def format_plan(plan: Plan, title: str = "") -> str:
              f"expert-data-parallel {plan.edp}. Stages (layers): {plan.partition}. Micro-batch "
              f"{plan.micro_batch_size} x {plan.seq_len} tokens, {mb} micro-batches per step, global batch "
              f"{plan.global_batch_size} sequences = {tokens / 1e6:.1f}M tokens.", "",
-             *_param_lines(plan.params), *_state_lines(plan), *_stage_lines(plan), *_comm_lines(plan), *_node_lines(plan),
+             *_param_lines(plan.params), *_state_lines(plan), *_stage_lines(plan), *_comm_lines(plan),
+             *_node_lines(plan),
              _bubble_line(plan, pp, mb), "",
              f"**Verdict:** the heaviest rank (stage {plan.peak_stage}) needs {fmt_bytes(plan.peak_bytes)}; "
              f"it {verdict} in {plan.gpu_memory_gb:g} GB.", ""]

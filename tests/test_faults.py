@@ -1,0 +1,120 @@
+"""Faults that do not kill a process, injected on purpose (debug.faults) and survived (faults.py):
+a bit flipped in one replica is found and repaired before the next forward, so the run goes on
+exactly as a clean one; a diverging step rolls back to the checkpoint before it and skips its
+batches; a slow rank is named; each fault fires once per run directory."""
+import json
+
+import pytest
+import torch
+
+from moe_trainer.config import ConfigError, load_config
+from moe_trainer.faults import (Fault, FaultSpecError, Faults, SpikeGuard, checksums, parse_faults,
+                                straggler_events)
+
+from conftest import TINY, check, launch, read_metrics, train_losses
+
+BASE = TINY + ["train.max_steps=6"]
+
+
+def test_fault_specs_parse_or_give_one_sentence():
+    assert parse_faults(["bitflip@3:1", "spike@9", "slow@2"]) == [
+        Fault("bitflip", 3, 1), Fault("spike", 9, None), Fault("slow", 2, 0)]
+    for bad, words in (("flip@3", "KIND@STEP"), ("spike@9:1", "whole step"), ("kill@0:1", "count from 1"),
+                       ("kill@2:5", "rank 5")):
+        with pytest.raises(FaultSpecError, match=words):
+            parse_faults([bad], world=2)
+    with pytest.raises(ConfigError, match="debug.faults entry"):
+        load_config("configs/moe_tiny.yaml", ["debug.faults=[bitflip@x]"])
+
+
+def test_each_fault_fires_once_per_run_directory(tmp_path):
+    plan = parse_faults(["spike@2", "nan@3"])
+    first = Faults(plan, tmp_path, rank=0)
+    assert first.lr_factor(1) == 1.0 and first.lr_factor(2) == 1000.0 and first.lr_factor(2) == 1.0
+    assert first.poison(3) and not first.poison(3)
+    again = Faults(plan, tmp_path, rank=0)  # a restart (or a rollback's replay) in the same directory
+    assert again.lr_factor(2) == 1.0 and not again.poison(3)
+    assert [json.loads(x)["fault"] for x in (tmp_path / Faults.RECORD).read_text().splitlines()] == ["spike@2", "nan@3"]
+
+
+def test_checksums_see_one_flipped_bit_and_nothing_else():
+    w = [torch.randn(64, 8), torch.randn(5).to(torch.bfloat16)]
+    ref = checksums(w)
+    assert torch.equal(checksums([x.clone() for x in w]), ref)
+    w[1].view(torch.int16)[3] ^= 1 << 14
+    got = checksums(w)
+    assert got[0] == ref[0] and got[1] != ref[1]
+
+
+def test_spike_guard_flags_a_jump_over_its_history_and_keeps_it_out():
+    g = SpikeGuard()
+    for loss in (5.0, 4.0, 3.5, 3.2, 3.0, 2.9, 2.8, 2.8):  # a falling loss is never a spike
+        assert g.check(loss, 1.0) is None
+    assert "loss 9" in g.check(9.0, 1.0)
+    assert g.check(2.7, 1.0) is None  # the spike did not enter the history
+    assert "gradient norm" in g.check(2.7, 50.0)
+
+
+def test_straggler_events_name_ranks_far_above_the_median():
+    assert straggler_events([1.0, 1.0, 1.0, 1.6], 7, 1.5) == [{"event": "straggler", "rank": 3, "step": 7,
+                                                                "ratio": 1.6}]
+    assert straggler_events([1.0, 1.2], 7, 1.5) == []
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """The run without faults, on 2 ranks (dp 2)."""
+    out = tmp_path_factory.mktemp("clean")
+    check(launch(2, out, BASE))
+    return out
+
+
+def test_bitflip_on_one_replica_is_repaired_before_the_next_forward_and_the_run_equals_a_clean_one(clean, tmp_path):
+    flipped, unchecked = tmp_path / "flip", tmp_path / "unchecked"
+    check(launch(2, flipped, BASE + ["train.replica_check_every=1", "debug.faults=[bitflip@3:1,slow@2:1]"]))
+    check(launch(2, unchecked, BASE + ["train.replica_check_every=0", "debug.faults=[bitflip@3:1]"]))
+    a, b, c = train_losses(clean), train_losses(flipped), train_losses(unchecked)
+    assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]  # exactly: the copy was repaired
+    assert any(c[s] != a[s] for s in (4, 5, 6))  # without the check the flip trains on
+    events = [r for r in read_metrics(flipped) if r.get("event") == "replica_mismatch"]
+    assert len(events) == 1 and events[0]["step"] == 3 and events[0]["ranks"] == [1]
+    assert events[0]["action"] == "repaired" and len(events[0]["params"]) == 1
+    slow = [r for r in read_metrics(flipped) if r.get("event") == "straggler"]
+    assert slow and {r["rank"] for r in slow} == {1} and min(r["step"] for r in slow) >= 2
+
+
+def test_a_spike_rolls_back_to_the_checkpoint_before_it_and_skips_its_batches(tmp_path):
+    # the final validation loss (fixed batches) compares the models; a training batch of 256 tokens
+    # moves the last step's loss by a few percent whichever batches came before
+    run = BASE[:-1] + ["train.max_steps=14", "train.checkpoint_every=2", "train.keep_checkpoints=3",
+                       "train.eval_every=14", "train.eval_batches=4"]
+    clean, spiked = tmp_path / "clean", tmp_path / "spiked"
+    check(launch(1, clean, run, launcher="python"))
+    out = check(launch(1, spiked, run + ["debug.faults=[spike@9]"], launcher="python"))
+    assert "loss spike at step 10" in out.stderr
+    rows = read_metrics(spiked)
+    rollback = [r for r in rows if r.get("event") == "rollback"]
+    assert len(rollback) == 1 and rollback[0]["step"] == 10 and rollback[0]["to"] == 8
+    assert rollback[0]["skipped_steps"] == [9, 10]
+    val = [[r["val_loss"] for r in read_metrics(d) if "val_loss" in r] for d in (clean, spiked)]
+    assert len(val[0]) == len(val[1]) == 1 and abs(val[1][0] - val[0][0]) / val[0][0] < 0.03
+    assert train_losses(spiked)[10] < 1.5 * train_losses(clean)[10]  # step 10 trained again, on later batches
+    state = json.loads((spiked / "checkpoints" / "step_14" / "state.json").read_text())
+    assert state["data_position"] == 16  # two batches skipped, and a resume keeps skipping them
+
+
+def test_a_killed_rank_restarts_the_job_which_resumes_and_ends_as_a_clean_run(clean, tmp_path):
+    out = tmp_path / "killed"
+    proc = check(launch(2, out, BASE + ["train.checkpoint_every=1", "train.resume=auto", "debug.faults=[kill@3:1]"],
+                        max_restarts=1))
+    assert "restarting (1 of 1)" in proc.stderr
+    restarts = [r for r in read_metrics(out) if r.get("event") == "restart"]
+    assert len(restarts) == 1 and restarts[0]["attempt"] == 1 and restarts[0]["step"] == 2  # resumed at step 2
+    assert train_losses(out) == train_losses(clean)  # every step, exactly: the restart lost nothing
+    fired = [json.loads(x)["fault"] for x in (out / Faults.RECORD).read_text().splitlines()]
+    assert fired == ["kill@3:1"]  # and the restarted job did not fire it again
+
+
+def test_restart_wrapper_does_not_retry_bad_input(tmp_path):
+    proc = launch(1, tmp_path / "bad", BASE + ["train.lr=-1"], launcher="python", max_restarts=3)
+    assert proc.returncode == 2 and "restarting" not in proc.stderr
