@@ -334,12 +334,17 @@ class Trainer:
                                        files_read=lambda path: checkpoint.files_to_read(path, self.model,
                                                                                         self.mesh.rank),
                                        any_rank=self.any_rank)
-        if found is None or (self.rolled_back_to is not None and checkpoint.step_of(found) <= self.rolled_back_to):
-            last = f"checkpoint {found}" if found is not None else "no checkpoint from before it"
-            raise TrainingHalted(f"stopped at step {spiked}: {reason}"
-                                 + (f", again after rolling back to step {self.rolled_back_to}"
-                                    if self.rolled_back_to is not None else "")
-                                 + f"; the last good state is {last}.")
+        if self.rolled_back_to is not None and (found is None or checkpoint.step_of(found) <= self.rolled_back_to):
+            raise TrainingHalted(f"stopped at step {spiked}: {reason}, again after rolling back to step "
+                                 f"{self.rolled_back_to}; the last good state is "
+                                 f"{found if found is not None else 'not in a checkpoint'}.")
+        if found is None:  # nothing to go back to (train.checkpoint_every 0, or none written yet): say so
+            if self.is_logger:
+                print(f"warning: loss spike at step {spiked}: {reason}; no checkpoint from before it to roll back "
+                      f"to, training on", file=sys.stderr, flush=True)
+                if self.sink:
+                    self.sink.log(spiked, {"event": "spike", "reason": reason, "action": "none: no checkpoint"})
+            return False
         skip_from = checkpoint.step_of(found) + 1
         self.step = checkpoint.load(found, self)  # restores data_offset as it was then
         self.data_offset += spiked - self.step  # and skips the batches of steps skip_from..spiked

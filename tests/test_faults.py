@@ -118,3 +118,12 @@ def test_a_killed_rank_restarts_the_job_which_resumes_and_ends_as_a_clean_run(cl
 def test_restart_wrapper_does_not_retry_bad_input(tmp_path):
     proc = launch(1, tmp_path / "bad", BASE + ["train.lr=-1"], launcher="python", max_restarts=3)
     assert proc.returncode == 2 and "restarting" not in proc.stderr
+
+
+def test_a_spike_with_no_checkpoint_before_it_is_recorded_and_training_goes_on(tmp_path):
+    out = tmp_path / "nockpt"
+    proc = check(launch(1, out, BASE[:-1] + ["train.max_steps=11", "debug.faults=[spike@9]"], launcher="python"))
+    assert "no checkpoint from before it" in proc.stderr
+    spikes = [r for r in read_metrics(out) if r.get("event") == "spike"]
+    # flagged at step 10 (after step 9's update) and on while the loss stays up; the run still ends
+    assert spikes and spikes[0]["step"] == 10 and max(train_losses(out)) == 11
