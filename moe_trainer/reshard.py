@@ -15,7 +15,7 @@ import sys
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config, validate_layout
 from .hf import HFFormatError
-from .train import _single_process_env, exit_without_final_collection, make_trainer, parse_args
+from .train import _single_process_env, exit_without_final_collection, local_world_size, make_trainer, parse_args
 
 
 def main(argv=None) -> int:
@@ -23,8 +23,7 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         _single_process_env()
-        world = int(os.environ["WORLD_SIZE"])
-        layout = validate_layout(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        layout = validate_layout(cfg, int(os.environ["WORLD_SIZE"]), local_world_size())
         if cfg.train.resume in ("auto", "none"):
             raise ConfigError("train.resume must name the checkpoint directory to reshard.")
     except ConfigError as e:

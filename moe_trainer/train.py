@@ -40,12 +40,17 @@ def _single_process_env() -> None:
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
 
 
+def local_world_size() -> int:
+    """The ranks the launcher started on this node: torchrun's LOCAL_WORLD_SIZE, DeepSpeed's
+    LOCAL_SIZE (its launcher sets no LOCAL_WORLD_SIZE), else the whole world (one node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or os.environ.get("WORLD_SIZE", "1"))
+
+
 def _set_threads(device_type: str) -> None:
     """On CPU ranks, split the cores between the ranks of this node."""
     import torch
     if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size()))
 
 
 def resolve_device_settings(cfg, device) -> None:
@@ -163,7 +168,7 @@ def main(argv=None) -> int:
         start = plan_run(args, rank)
         _single_process_env()
         cfg = start.cfg
-        layout = validate_layout(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        layout = validate_layout(cfg, world, local_world_size())
     except ConfigError as e:
         report_error(f"config error: {e}", rank, world, same_on_every_rank=True)
         return 2

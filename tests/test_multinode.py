@@ -1,0 +1,40 @@
+"""DeepSpeed's multi-node launch, on this one machine: a hostfile of two "nodes" (localhost and
+127.0.0.1, one rank each) and one launcher per node with --no_ssh --node_rank 0|1, as a cluster's
+scheduler starts them. Same losses as one node with the same ranks, and it resumes."""
+import subprocess
+from pathlib import Path
+
+from conftest import ROOT, TINY, VENV_BIN, check, env, free_port, launch, read_metrics, train_losses
+
+BASE = TINY + ["train.max_steps=4", "train.checkpoint_every=2", "train.resume=auto"]
+
+
+def launch_two_nodes(out: Path, overrides: list[str], tmp: Path) -> list[subprocess.CompletedProcess]:
+    hosts = tmp / "hostfile"
+    hosts.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    port = free_port()
+    args = ["--config=configs/moe_tiny.yaml"] + [a for o in overrides + [f"run.out_dir={out}"] for a in ("--set", o)]
+    nodes = [subprocess.Popen([str(VENV_BIN / "deepspeed"), "--hostfile", str(hosts), "--no_ssh", "--node_rank",
+                               str(r), "--master_addr", "127.0.0.1", "--master_port", str(port), "--module",
+                               "moe_trainer.train", *args], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    done = []
+    for p in nodes:
+        stdout, stderr = p.communicate(timeout=300)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return done
+
+
+def test_two_nodes_equal_one_node_and_resume(tmp_path):
+    one = tmp_path / "one"
+    check(launch(2, one, BASE))
+    two = tmp_path / "two"
+    first = launch_two_nodes(two, BASE + ["train.stop_at_step=2"], tmp_path)  # a job that ends after step 2
+    for proc in first:
+        check(proc)
+    assert "nodes: 2 of 1 rank(s)" in first[0].stdout  # each launcher's LOCAL_WORLD_SIZE is its node's
+    for proc in launch_two_nodes(two, BASE, tmp_path):  # the same command again: resumes at step 2
+        check(proc)
+    assert train_losses(two) == train_losses(one)
+    starts = [r for r in read_metrics(two) if "loss" in r]
+    assert [r["step"] for r in starts] == [1, 2, 3, 4]
