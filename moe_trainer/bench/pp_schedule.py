@@ -91,6 +91,9 @@ class HeldEngine:
     def set_gradient_accumulation_boundary(self, boundary: bool) -> None:
         pass
 
+    def allreduce_gradients(self) -> None:
+        pass
+
     def step(self) -> None:
         pass
 

@@ -9,8 +9,10 @@ step. The executor keeps DeepSpeed's engine for ZeRO-1: every backward goes
 through `engine.backward`, every micro-batch ends with `engine.step()`, so the
 optimizer steps at the accumulation boundary exactly as without a pipeline. With
 v chunks per rank (interleaved 1F1B, `parallel.virtual_stages`) a micro-batch has
-v backwards on a rank: the boundary is named explicitly (the step's last
-backward), and step() follows each micro-batch's chunk-0 backward.
+v backwards on a rank, and step() follows each micro-batch's chunk-0 backward.
+No backward is the accumulation boundary (DeepSpeed would reduce the gradients in
+it, before its input gradient leaves for the stage before): the boundary is set
+after the step's last send, for `engine.allreduce_gradients()` and the last step().
 
 Stages exchange one tensor per micro-batch: the hidden states, with the token
 embeddings concatenated along the last dimension when MTP is on (the last
@@ -346,6 +348,36 @@ class _Saved:
         self.t = t
 
 
+# ----------------------------------------------------------------------------- the backward surrogate
+
+class _OutputGradient(torch.autograd.Function):
+    """A zero scalar whose gradient with respect to `out` is `grad`: engine.backward takes a scalar loss,
+    and an inner stage's backward starts from the next stage's gradient of its output. Its value is
+    never read (the losses are summed from the forwards), so none is computed; nothing of (B, T, d)
+    is made in either direction: `grad`, the received buffer, is handed back scaled in place."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(grad)
+        return out.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, scale: torch.Tensor):
+        # scale: d(engine's loss) / d(this), a 0-dim fp32 tensor (1, or fp16's loss scale). grad stays in
+        # the activation dtype, as out's gradient must be: the product is exact for 1 and powers of 2
+        (grad,) = ctx.saved_tensors
+        return grad.mul_(scale), None
+
+
+def backward_surrogate(out: torch.Tensor, grad: torch.Tensor, aux: Optional[torch.Tensor],
+                       micro_batches: int) -> torch.Tensor:
+    """The scalar an inner stage's backward runs from: d/d(out) = grad (B, T, d), which consumes the
+    buffer, plus this stage's auxiliary loss with the 1/m that grad already carries for the LM loss."""
+    loss = _OutputGradient.apply(out, grad)
+    return loss if aux is None else loss + aux / micro_batches
+
+
 # ----------------------------------------------------------------------------- the executor
 
 @dataclass
@@ -367,6 +399,10 @@ class PipelineExecutor:
     def __init__(self, engine, stage: PipelineStage, mesh, micro_batches: int, carried_shape: tuple,
                  dtype: torch.dtype, device: torch.device, schedule: str = "1f1b", trace: Optional[Trace] = None,
                  meter: Optional[ActivationMeter] = None, counter=None, clock: Optional[StepClock] = None):
+        if getattr(getattr(engine, "optimizer", None), "overlap_comm", False):
+            # with it ZeRO-1 reduces in its gradient hooks during a boundary backward only, and then
+            # allreduce_gradients (reduce_and_step, after the backwards) would reduce nothing
+            raise ValueError("the pipeline executor needs ZeRO's overlap_comm off (zero.py never sets it)")
         self.engine, self.stage, self.mesh = engine, stage, mesh
         self.clock = clock or StepClock(device)
         self.m = micro_batches
@@ -375,7 +411,7 @@ class PipelineExecutor:
         self.pp, self.s = pp, s
         self.units = schedule_units(schedule, s, pp, micro_batches, self.v)
         self.ops = [op for unit in self.units for op in unit]
-        self.boundary = [op for op in self.ops if op[0] == "B"][-1]  # DeepSpeed's accumulation boundary
+        self.boundary = [op for op in self.ops if op[0] == "B"][-1]  # the last backward: reduce_and_step steps for it
         self.peers = chunk_peers(s, pp, self.v, mesh.members["pp"])
         self.trace = trace or Trace()
         self.meter = meter
@@ -405,20 +441,30 @@ class PipelineExecutor:
             kind, i, c = op
             if kind == "F":
                 return self._forward(i, c, get_batch, received.pop(("act", i, c), None), saved, res)
-            # DeepSpeed reduces the gradients in the backward it deems the accumulation boundary; with
-            # v chunks a micro-batch has v backwards here, so name it: this step's last backward
-            boundary = op == self.boundary
-            self.engine.set_gradient_accumulation_boundary(boundary)
+            # no backward is DeepSpeed's accumulation boundary (whose epilogue would reduce the gradients
+            # before this backward's input gradient leaves): every one only accumulates, see reduce_and_step
+            self.engine.set_gradient_accumulation_boundary(False)
             out = self._backward(i, c, received.pop(("grad", i, c), None), saved, res)
-            if c == 0 and not boundary:  # a micro-batch's last backward on this rank: one step() each
+            if c == 0 and op != self.boundary:  # a micro-batch's last backward on this rank: one step() each
                 self.engine.step()
             return out
 
         self._run(self.units, run_op, res)
-        # the optimizer step (at the boundary) only after the final sends: its gradient norm is a
-        # collective over every stage, and the stage before still waits for this one's last gradient
-        self.engine.step()
+        self.reduce_and_step()
         return res
+
+    def reduce_and_step(self) -> None:
+        """The step's gradient reduction (ZeRO-1's, over the data-parallel group) and the optimizer step,
+        once _run has posted the final sends. Reducing first would add each stage's reduction to the
+        drain (stage s - 1 waits for stage s's last input gradient, s - 2 for s - 1's, ...); after its
+        send a stage reduces while the stages before it still run their last backwards. The optimizer
+        step comes last: its gradient norm is a collective over every stage."""
+        self.engine.set_gradient_accumulation_boundary(True)
+        t0 = self.clock.mark()
+        self.engine.allreduce_gradients()  # what DeepSpeed's backward epilogue runs at the boundary
+        _, i, c = self.boundary
+        self.trace.record("reduce", i, t0, self.clock.mark(), c)
+        self.engine.step()
 
     def _forward(self, i, c, get_batch, carried, saved, res) -> dict:
         inputs, labels, positions = get_batch(i)
@@ -449,12 +495,8 @@ class PipelineExecutor:
         if self.stage.is_last(c):
             self.engine.backward(out)
         else:
-            # d(surrogate)/d(out) = grad, which already carries the 1/GAS of the
-            # last stage's loss; this stage's own aux loss gets that scale here
-            surrogate = (out.float() * grad.float()).sum()
-            if aux is not None:
-                surrogate = surrogate + aux / self.m
-            self.engine.backward(surrogate, scale_wrt_gas=False)
+            # grad already carries the 1/GAS of the last stage's loss: no scaling by the engine
+            self.engine.backward(backward_surrogate(out, grad, aux, self.m), scale_wrt_gas=False)
         t1 = self.clock.mark()
         self.trace.record("backward", i, t0, t1, c)
         res.spans["backward"].append((t0, t1))
