@@ -2,6 +2,13 @@
 resume=auto, and report the steps lost and the time to recover each time.
 
     python -m moe_trainer.fault_drill [--ranks 2] [--kills 3] [--steps 40] [--out runs/fault_drill]
+    python -m moe_trainer.fault_drill --faults all [--steps 12]   # each fault kind of debug.faults
+
+--faults injects each kind (bitflip, spike, nan, slow, hang, kill) once, at a random step and rank,
+into its own job under the restart wrapper, and reports per fault: detected or not and how, the
+time to detect, the steps lost, and whether the final weights equal a clean run's (they should
+after a bit flip, a hang and a kill: repaired, or resumed from a checkpoint; not after a spike,
+whose batches are skipped, or a NaN, whose step is skipped).
 """
 from __future__ import annotations
 
@@ -77,8 +84,102 @@ def _wait_step(out: Path, above: int, proc: subprocess.Popen, timeout: float) ->
     return float("nan")
 
 
+FAULT_KINDS = ("bitflip", "spike", "nan", "slow", "hang", "kill")
+SHOULD_EQUAL_CLEAN = {"bitflip", "hang", "kill", "slow"}
+DRILL = ["train.checkpoint_every=2", "train.keep_checkpoints=8", "train.replica_check_every=1",
+         "parallel.timeout_s=20"]
+
+
+def _rows(out: Path, name: str) -> list[dict]:
+    f = out / name
+    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
+
+
+def _fault_job(args, out: Path, extra: list[str]) -> int:
+    sets = [a for o in SMALL + DRILL + [f"train.max_steps={args.steps}", f"run.out_dir={out}"] + extra
+            for a in ("--set", o)]
+    cmd = [sys.executable, "-m", "moe_trainer.restart", "--max-restarts", "1", "--",
+           shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.ranks),
+           "--master_port", str(_free_port()), "--module", "moe_trainer.train", "--config", args.config, *sets]
+    return subprocess.call(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _final_weights_equal(a: Path, b: Path, step: int) -> bool:
+    from .checkpoint import read_full
+    x, y = read_full(a / "checkpoints" / f"step_{step}"), read_full(b / "checkpoints" / f"step_{step}")
+    return x.keys() == y.keys() and all(bool((x[k] == y[k]).all()) for k in x)
+
+
+def _detection(kind: str, spec: str, out: Path) -> dict:
+    """What the run directory says of one injected fault: how it was seen, when, and what it cost."""
+    fired = next((r for r in _rows(out, "faults.jsonl") if r["fault"] == spec), None)
+    rows = _rows(out, "metrics.jsonl")
+    step = int(spec.split("@")[1].split(":")[0])
+    events = {"bitflip": ("replica_mismatch", "replica check: checksums differ, repaired from owners"),
+              "spike": ("rollback", "spike guard: rolled back, batches skipped"),
+              "slow": ("straggler", "straggler named at a log step"),
+              "hang": ("restart", "collective timeout, job ended and restarted"),
+              "kill": ("restart", "job ended, restarted from the last checkpoint")}
+    if kind == "nan":
+        seen = next((r for r in rows if r.get("skipped") and r.get("step") == step), None)
+        how, lost = "non-finite loss: step skipped", 1
+    else:
+        name, how = events[kind]
+        rank = int(spec.split(":")[1]) if ":" in spec else None
+        seen = next((r for r in rows if r.get("event") == name and r.get("step", 0) >= step - 1
+                     and (kind != "slow" or r.get("rank") == rank)), None)  # not an earlier step's noise
+        lost = 0
+        if seen and kind == "spike":
+            lost = seen["step"] - seen["to"]
+        elif seen and kind in ("hang", "kill"):
+            lost = step - 1 - seen["step"]  # steps done after the checkpoint it resumed from
+    seconds = seen["wall_time"] - fired["time"] if seen and fired and "wall_time" in seen else float("nan")
+    return {"detected": seen is not None, "how": how if seen else "-", "detect_s": round(seconds, 1),
+            "steps_lost": lost if seen else None}
+
+
+def drill_faults(args, kinds: list[str]) -> int:
+    from .faults import SpikeRule
+    rng = random.Random(args.seed)
+    root = Path(args.out).resolve()
+    shutil.rmtree(root, ignore_errors=True)
+    clean = root / "clean"
+    if _fault_job(args, clean, []) != 0:
+        print("the clean run failed; see its run directory", clean, file=sys.stderr)
+        return 1
+    rows = []
+    for kind in kinds:
+        # a spike needs the guard's history first (SpikeRule.min_history steps)
+        first = SpikeRule().min_history + 1 if kind == "spike" else 3
+        step = rng.randint(first, max(first, args.steps - 4))
+        spec = f"{kind}@{step}" + (f":{rng.randrange(args.ranks)}" if kind in ("bitflip", "slow", "hang", "kill")
+                                    else "")
+        out = root / kind
+        t0 = time.time()
+        rc = _fault_job(args, out, [f"debug.faults=[{spec}]"])
+        row = {"fault": spec, "exit": rc, "wall_s": round(time.time() - t0, 1), **_detection(kind, spec, out)}
+        equal = rc == 0 and _final_weights_equal(clean, out, args.steps)
+        row["final_equal_clean"] = equal
+        row["expected_equal"] = kind in SHOULD_EQUAL_CLEAN
+        rows.append(row)
+        print(f"{spec}: {'detected' if row['detected'] else 'NOT detected'} ({row['how']}) in {row['detect_s']} s, "
+              f"{row['steps_lost']} step(s) lost; final weights {'equal' if equal else 'differ from'} the clean "
+              f"run's ({'as they should' if equal == row['expected_equal'] else 'NOT as expected'}); exit {rc}",
+              flush=True)
+    (root / "fault_drill.json").write_text(json.dumps(rows, indent=1))
+    print("\n| fault | detected | how | time to detect (s) | steps lost | final weights = clean |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['fault']} | {'yes' if r['detected'] else 'no'} | {r['how']} | {r['detect_s']} | "
+              f"{r['steps_lost']} | {'yes' if r['final_equal_clean'] else 'no'}"
+              f"{'' if r['final_equal_clean'] == r['expected_equal'] else ' (unexpected)'} |")
+    ok = all(r["detected"] and r["exit"] == 0 and r["final_equal_clean"] == r["expected_equal"] for r in rows)
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--faults", default=None, help="all, or kinds separated by commas: " + ", ".join(FAULT_KINDS))
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
@@ -86,6 +187,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/fault_drill")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.faults:
+        kinds = list(FAULT_KINDS) if args.faults == "all" else args.faults.split(",")
+        unknown = [k for k in kinds if k not in FAULT_KINDS]
+        if unknown:
+            ap.error(f"--faults: unknown kind(s) {', '.join(unknown)}; choose all or from {', '.join(FAULT_KINDS)}")
+        if args.steps < 14:
+            ap.error(f"--faults needs --steps 14 or more (a spike comes after the guard's 8 steps of history, "
+                     f"and every fault needs steps after it), got {args.steps}")
+        return drill_faults(args, kinds)
     rng = random.Random(args.seed)
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)

@@ -36,7 +36,8 @@ from .config import Config, ConfigError, config_from_dict, flatten
 RESUMABLE = ("run.out_dir", "train.max_steps", "train.stop_at_step", "train.micro_batch_size",
              "train.checkpoint_every", "train.keep_checkpoints", "train.resume", "train.resume_allow",
              "train.init_from", "train.log_every", "train.eval_every", "train.eval_batches", "train.max_nan_skips",
-             "train.keep_freed_memory", "model.moe_impl", "parallel.", "metrics.", "debug.")
+             "train.keep_freed_memory", "train.replica_check_every", "train.spike_guard", "train.straggler_factor",
+             "model.moe_impl", "parallel.", "metrics.", "debug.")
 # keys of one job, not of the run: always the command's (set or default), never carried over from the saved config
 PER_JOB = ("train.stop_at_step", "train.resume", "train.resume_allow", "debug.")
 HISTORY = "config_history.jsonl"

@@ -106,7 +106,15 @@ def make_trainer(cfg, layout, start=None):
         from .kernels.cpu.extension import kernels as build_cpu_kernels
         build_cpu_kernels()
     init_distributed(cfg.parallel.timeout_s)
-    return Trainer(cfg, build_mesh(layout, int(os.environ["RANK"])), device, start)
+    return Trainer(cfg, build_mesh(layout, int(os.environ["RANK"]), timeout_s=cfg.parallel.timeout_s), device, start)
+
+
+# what gloo's own waits raise as a plain RuntimeError (work.wait() past the group's timeout, a peer gone)
+GLOO_FAILURES = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "gloo/transport")
+
+
+def is_gloo_failure(e: BaseException) -> bool:
+    return any(s in str(e) for s in GLOO_FAILURES)
 
 
 def report_error(message: str, rank: int, world: int, same_on_every_rank: bool) -> None:
@@ -193,8 +201,10 @@ def main(argv=None) -> int:
     except TrainingHalted as e:
         report_error(f"error: {e}", rank, world, same_on_every_rank=False)
         return 3
-    except DistError as e:  # a collective timed out or a peer went away (gloo, the CPU rings; on NCCL the
-        # watchdog thread sees it instead, and launch.CollectiveWatch ends the job with the same line)
+    except (DistError, RuntimeError) as e:  # a collective timed out or a peer went away (gloo, the CPU rings;
+        # on NCCL the watchdog thread sees it instead, and launch.CollectiveWatch ends the job with the same line)
+        if not isinstance(e, DistError) and not is_gloo_failure(e):
+            raise
         report_collective_failure(e, rank, cfg.parallel.timeout_s)  # one line per job, naming the rank
         return 4
     shutdown_distributed()

@@ -33,6 +33,7 @@ from .noise_scale import MicroGradNorms, NoiseScale, ReducedGradNorm
 from .parallel.comm import (CommCounter, all_reduce_small, count_deepspeed_collectives, enable_shm_transport,
                             route_deepspeed_collectives)
 from .parallel.context import shard_sequence
+from .parallel.launch import progress
 from .parallel.mesh import DeepSpeedMPU, Mesh
 from .parallel.pipeline import PipelineExecutor, Trace, build_stage
 from .kernels.cpu.shm_alltoall import P2P_RING_BYTES, RING_BYTES, SMALL_RING_BYTES
@@ -223,12 +224,16 @@ class Trainer:
         t = self.cfg.train
         last = {}
         while self.step < t.max_steps and not self._stopping:
+            progress(self.step + 1, "start")  # heartbeats: a hung rank is named by where it stopped
             if self.faults:
                 self.faults.before_step(self.step + 1)
             if self.replicas and self.replicas.due(self.step):
+                progress(self.step + 1, "replica check")
                 self.check_replicas()
+            progress(self.step + 1, "forward, backward and optimizer")
             record = self.train_step()
             self.step += 1
+            progress(self.step, "losses, logging and evaluation")
             if self.faults:
                 self.flip_bit()
             self.check_finite(record)
@@ -244,6 +249,7 @@ class Trainer:
                     print(f"step {self.step}/{t.max_steps} | val_loss {last['val_loss']:.4f}", flush=True)
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.max_steps \
                     or self._stopping:
+                progress(self.step, "checkpoint")
                 checkpoint.save(self)
         if self.pipelined and self.trace.enabled:
             self.write_pipeline_trace()

@@ -127,3 +127,15 @@ def test_a_spike_with_no_checkpoint_before_it_is_recorded_and_training_goes_on(t
     spikes = [r for r in read_metrics(out) if r.get("event") == "spike"]
     # flagged at step 10 (after step 9's update) and on while the loss stays up; the run still ends
     assert spikes and spikes[0]["step"] == 10 and max(train_losses(out)) == 11
+
+
+def test_a_hung_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):
+    """hang@3:1: rank 1 stops without exiting; rank 0 waits in the replica check's all-gather on a
+    subgroup, which parallel.timeout_s bounds too (torch gives new groups 30 minutes otherwise)."""
+    import time
+    t0 = time.time()
+    proc = launch(2, tmp_path / "hang", BASE + ["train.replica_check_every=1", "parallel.timeout_s=10",
+                                                "debug.faults=[hang@3:1]"], timeout=120)
+    assert proc.returncode != 0 and time.time() - t0 < 90
+    # its watch thread still answers, but its heartbeat stopped at step 3's start, before the collective
+    assert "Rank(s) 1 stopped making progress (at step 3: start)" in proc.stderr

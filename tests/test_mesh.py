@@ -100,7 +100,7 @@ class RecordingDist:
         self.calls = []
         self.group = type("G", (), {"WORLD": type("W", (), {"bound_device_id": None})()})
 
-    def new_group(self, ranks):
+    def new_group(self, ranks, timeout=None):
         self.calls.append(tuple(ranks))
         return ("pg", tuple(ranks))
 

@@ -356,3 +356,12 @@ def test_data_with_out_of_range_ids_is_refused(tmp_path):
     proc = launch(1, tmp_path / "run", BASE + ["train.max_steps=2", f"data.path={tmp_path / 'tok'}"],
                   launcher="python")
     assert proc.returncode == 2 and "outside model.vocab_size" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_failure_line_names_the_rank_whose_heartbeat_is_behind():
+    from moe_trainer.parallel.launch import failure_line
+    answers = {0: "failed|9|3|replica check", 1: "alive|8|3|start"}  # rank 1's main thread never got further
+    line = failure_line(0, "Timed out waiting 10000ms", 10, answers, world=2)
+    assert "Rank(s) 1 stopped making progress (at step 3: start)" in line and "skipped a collective" not in line
+    even = failure_line(0, "x", 10, {0: "failed|9|3|replica check", 1: "alive|9|3|replica check"}, world=2)
+    assert "stopped making progress" not in even and "skipped a collective" in even

@@ -101,6 +101,33 @@ def unlink_shm_segment(rank: int) -> None:
 # ----------------------------------------------------------------------------- a failed collective
 
 _WATCH: list["CollectiveWatch"] = []  # this process's watch (one, from init_distributed to shutdown)
+# this rank's heartbeat: the main thread's last progress mark (a counter every rank advances through the
+# same marks in the same order), its step and phase. Set by the trainer (a dict update, no I/O); the
+# watch thread sends it with its answer, so a hung main thread is told apart from one waiting in a collective
+_PROGRESS = {"mark": 0, "step": 0, "phase": "start-up"}
+
+
+def progress(step: int, phase: str) -> None:
+    """The main thread reached `phase` of `step` (the trainer calls this at a few points per step)."""
+    _PROGRESS.update(mark=_PROGRESS["mark"] + 1, step=step, phase=phase)
+
+
+def _parse_answer(answer: str) -> tuple[str, Optional[int], str]:
+    """'alive|<mark>|<step>|<phase>' -> (what, mark, 'step S: phase'); a bare 'alive' / 'failed' too."""
+    parts = answer.split("|", 3)
+    if len(parts) < 4:
+        return parts[0], None, ""
+    return parts[0], int(parts[1]), f"step {parts[2]}: {parts[3]}"
+
+
+def _behind(answers: dict[int, str]) -> list[tuple[int, str]]:
+    """The answered ranks whose main thread is behind the others' progress marks (stalled there)."""
+    marks = {r: _parse_answer(a) for r, a in answers.items()}
+    known = {r: m for r, (_, m, _) in marks.items() if m is not None}
+    if not known or min(known.values()) == max(known.values()):
+        return []
+    low = min(known.values())
+    return [(r, marks[r][2]) for r in sorted(known) if known[r] == low]
 
 
 def failure_line(origin: int, reason: str, timeout_s: float, answers: Optional[dict[int, str]] = None,
@@ -115,9 +142,16 @@ def failure_line(origin: int, reason: str, timeout_s: float, answers: Optional[d
     if answers is None:
         return line
     silent = [r for r in range(world) if r not in answers]
-    failed = [r for r in sorted(answers) if answers[r] == "failed" and r != origin]
+    failed = [r for r in sorted(answers) if _parse_answer(answers[r])[0] == "failed" and r != origin]
     if failed:
         line += f" Rank(s) {_ranks(failed)} saw it fail too."
+    behind = _behind(answers)
+    if behind:
+        where = behind[0][1]
+        line += (f" Rank(s) {_ranks([r for r, _ in behind])} stopped making progress (at {where}) while the "
+                 f"others went on to a collective: the likely cause.")
+        if not silent:
+            return line
     if silent:
         return line + (f" Rank(s) {_ranks(silent)} never answered through the rendezvous store: stopped, hung "
                        f"or dead, the likely cause.")
@@ -222,8 +256,9 @@ class CollectiveWatch:
         os._exit(EXIT_CODE)
 
     def _answer(self, what: str) -> None:
+        beat = f"{what}|{_PROGRESS['mark']}|{_PROGRESS['step']}|{_PROGRESS['phase']}"
         try:
-            self.store.set(f"{self.prefix}rank/{self.rank}", what)
+            self.store.set(f"{self.prefix}rank/{self.rank}", beat)
         except RuntimeError:
             pass
 

@@ -7,6 +7,7 @@ The mesh is passed explicitly to whatever needs it; nothing reads a global.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
@@ -54,7 +55,7 @@ class Mesh:
         return self.coord["pp"] == 0
 
 
-def build_mesh(layout: Layout, rank: int, distributed: bool = True) -> Mesh:
+def build_mesh(layout: Layout, rank: int, distributed: bool = True, timeout_s: Optional[float] = None) -> Mesh:
     """Create the process groups, collectively on every rank.
 
     NCCL's rule for group creation: every rank of the world enters every creation, members or not,
@@ -63,7 +64,10 @@ def build_mesh(layout: Layout, rank: int, distributed: bool = True) -> Mesh:
     rank, and every rank makes every call here, whatever its stage holds. Each distinct rank set gets
     one communicator: kinds with the same groups share it (dp and dpcp when cp is 1, ep and dpcp
     when edp is 1, mp and pp when tp is 1). Kinds of degree 1 have no group (None); the one-rank
-    groups DeepSpeed's registries want instead (group_or_self) are made here too, by every rank."""
+    groups DeepSpeed's registries want instead (group_or_self) are made here too, by every rank.
+    `timeout_s` (parallel.timeout_s) bounds every collective on them: torch gives a new group its
+    backend's default (30 minutes on gloo), not the world's."""
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
     mesh = Mesh(layout, rank, coords(rank, layout))
     made: dict = {}  # tuple of the kind's group lists -> this rank's group of them
     for kind, lists in group_ranks(layout).items():
@@ -74,24 +78,24 @@ def build_mesh(layout: Layout, rank: int, distributed: bool = True) -> Mesh:
             continue
         key = tuple(sorted(map(tuple, lists)))  # the same partition, whatever order a kind lists it in
         if key not in made:
-            made[key] = _partition(lists, rank) if distributed else None
+            made[key] = _partition(lists, rank, timeout) if distributed else None
         mesh.groups[kind] = made[key]
     if distributed and any(len(m) == 1 for m in mesh.members.values()):
-        mesh.single = _partition([[r] for r in range(layout.world)], rank)
+        mesh.single = _partition([[r] for r in range(layout.world)], rank, timeout)
     return mesh
 
 
-def _partition(lists: list[list[int]], rank: int):
+def _partition(lists: list[list[int]], rank: int, timeout: Optional[timedelta] = None):
     """This rank's group of a partition of the world, every rank of the world taking part. On a
     backend that splits communicators (NCCL with a bound device) one split makes every group of
     the partition; elsewhere one new_group per list, every rank calling each in the same order."""
     world = dist.group.WORLD
     backend = world._get_backend(world.bound_device_id) if getattr(world, "bound_device_id", None) else None
     if backend is not None and getattr(backend, "supports_splitting", False):
-        return dist.split_group(split_ranks=lists)
+        return dist.split_group(split_ranks=lists, timeout=timeout)
     mine = None
     for ranks in lists:
-        pg = dist.new_group(ranks)
+        pg = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine = pg
     return mine
