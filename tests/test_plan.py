@@ -314,3 +314,13 @@ def test_plan_cli_link_flags_and_bad_values():
     assert "Inside and across nodes" in out.stdout
     bad = run_cli("--config", "configs/moe_1b_16gpu.yaml", "--gpus", "16", "--ib-gbps", "0")
     assert bad.returncode == 2 and "--ib-gbps must be positive" in bad.stderr
+
+
+def test_bf16_plans_count_fp32_gradients_unless_accumulated_in_bf16():
+    fp32_grads = plan.make_plan(load_config("configs/moe_1b_16gpu.yaml", ["train.dtype=bf16"]), 16)
+    bf16_grads = plan.make_plan(load_config("configs/moe_1b_16gpu.yaml", ["train.dtype=bf16",
+                                                                         "train.grad_accum_dtype=bf16"]), 16)
+    assert fp32_grads.precision.name == "mixed_fp32_grads" and bf16_grads.precision.name == "mixed"
+    a, b = fp32_grads.stages[0], bf16_grads.stages[0]
+    assert within(a.states.grads, 2 * b.states.grads, 1e-9)  # 4 bytes per parameter instead of 2
+    assert within(a.comm.dense_dp.all_reduce, 2 * b.comm.dense_dp.all_reduce, 1e-9)  # reduced in fp32

@@ -34,7 +34,8 @@ subcommand:
 
 what the plan reports (markdown, or JSON with --json):
   parameters by part, total and activated per token; model states per rank for ZeRO 0-3 under
-  three recipes (mixed: 2 + 2 + 12 bytes per parameter, fp32: 4 + 4 + 8, bf16: 2 + 2 + 4); per
+  the recipes (mixed: 2 + 2 + 12 bytes per parameter, mixed_fp32_grads: 2 + 4 + 12, fp32: 4 + 4 + 8,
+  fp32_master: 4 + 4 + 12, bf16: 2 + 2 + 4); per
   pipeline stage the parameters, activations per micro-batch with and without recomputation, the
   1F1B in-flight count min(pp - stage, micro-batches) and whether it fits; bytes sent per rank per
   step by data parallel / ZeRO, expert all-to-all, pipeline, tensor and context parallel; the
@@ -64,8 +65,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage for the per-stage "
                    "memory and the data-parallel traffic (default 1; the table always shows 0-3)")
     p.add_argument("--precision", choices=tuple(plan.PRECISIONS), default=None,
-                   help="bytes per parameter: mixed (2+2+12), fp32 (4+4+8), bf16 (2+2+4); "
-                        "default mixed for train.dtype bf16, fp32 for fp32")
+                   help="bytes per parameter: mixed (2+2+12), mixed_fp32_grads (2+4+12), fp32 (4+4+8), "
+                        "fp32_master (4+4+12), bf16 (2+2+4); default what the trainer holds: mixed_fp32_grads "
+                        "for train.dtype bf16 (mixed with train.grad_accum_dtype bf16), fp32_master for fp32")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs per node for the rank order and the inside/across-node split (default: "
                         "parallel.gpus_per_node, else 8)")

@@ -171,7 +171,7 @@ def make_plan(cfg: Config, gpus: int, gpu_memory_gb: float = 80.0, zero: int = 1
         raise PlanError(f"--nvlink-gbps and --ib-gbps must be positive, got {links.nvlink_gbps:g} and "
                         f"{links.ib_gbps:g}.")
     layout = layout_on(cfg, gpus, gpus_per_node)  # parallel.gpus_per_node, when set, wins
-    prec = precision_for(precision, t.dtype)
+    prec = precision_for(precision, t.dtype, t.grad_accum_dtype)
     partition = stage_partition(cfg)
     alltoall = alltoall_bytes_expected(_tokens_per_rank(cfg), m.num_experts_per_tok, m.hidden_size, p.ep,
                                        prec.act_bytes, m.n_routed_experts, p.dedup_dispatch, m.n_group,

@@ -40,13 +40,19 @@ PRECISIONS = {
     "fp32_master": Precision("fp32_master", 4, 4, 12, 4, "fp32 params 4 + fp32 grads 4 + fp32 master copy, "
                                                          "Adam m, v 12 (DeepSpeed ZeRO 1-2 in fp32)"),
     "bf16": Precision("bf16", 2, 2, 4, 2, "bf16 params 2 + bf16 grads 2 + bf16 Adam m, v 4 (no master copy)"),
+    # what this trainer holds for train.dtype bf16 with train.grad_accum_dtype fp32 (the default): DeepSpeed's
+    # BF16_Optimizer sums the micro-batches' gradients and all-reduces them in fp32, as Megatron's main grads
+    "mixed_fp32_grads": Precision("mixed_fp32_grads", 2, 4, 12, 2, "bf16 params 2 + fp32 grads 4 (accumulated "
+                                  "and reduced in fp32) + fp32 master, Adam m, v 12 (BF16_Optimizer)"),
 }
 
 
-def precision_for(name: Optional[str], train_dtype: str) -> Precision:
-    """The named recipe; by default what the trainer's DeepSpeed ZeRO-1 engine holds: `mixed` for
-    train.dtype bf16 and `fp32_master` for fp32."""
-    name = name or ("fp32_master" if train_dtype == "fp32" else "mixed")  # auto: bf16 on the GPUs planned for
+def precision_for(name: Optional[str], train_dtype: str, grad_accum_dtype: str = "fp32") -> Precision:
+    """The named recipe; by default what the trainer's DeepSpeed ZeRO-1 engine holds: `fp32_master` for
+    train.dtype fp32, and for bf16 (auto: bf16 on the GPUs planned for) `mixed_fp32_grads`, or `mixed`
+    with train.grad_accum_dtype bf16."""
+    bf16 = "mixed_fp32_grads" if grad_accum_dtype == "fp32" else "mixed"
+    name = name or ("fp32_master" if train_dtype == "fp32" else bf16)
     if name not in PRECISIONS:
         raise PlanError(f"--precision must be one of {', '.join(PRECISIONS)}, got {name!r}.")
     return PRECISIONS[name]
