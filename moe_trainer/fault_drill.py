@@ -126,7 +126,8 @@ def _detection(kind: str, spec: str, out: Path) -> dict:
     else:
         name, how = events[kind]
         rank = int(spec.split(":")[1]) if ":" in spec else None
-        seen = next((r for r in rows if r.get("event") == name and r.get("step", 0) >= step - 1
+        after = fired["time"] - 1.0 if fired else float("inf")  # the drill's jobs share this machine's clock
+        seen = next((r for r in rows if r.get("event") == name and r.get("wall_time", 0) >= after
                      and (kind != "slow" or r.get("rank") == rank)), None)  # not an earlier step's noise
         lost = 0
         if seen and kind == "spike":
