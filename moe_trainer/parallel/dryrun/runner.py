@@ -1,0 +1,433 @@
+"""One simulated rank at a time: the real Trainer built on fake CUDA tensors under NCCL's rules,
+one optimizer step (every micro-batch of the schedule), a checkpoint saved and reloaded.
+
+The code that runs is the real run's: moe_trainer.train.make_trainer (device, kernels, the process
+group, the mesh), the Trainer (model, parallelize, pipeline stage, DeepSpeed's engine and ZeRO-1,
+the pipeline executor), the EP dispatcher and checkpoint.save / checkpoint.load. What the dry run
+puts in their place, and why, is all here:
+- `materialize` (models/init.py): uninitialised fake tensors on the rank's device (fake_cuda.py);
+- the EP dispatcher's one host read, the split sizes: the balanced expectation
+  (`balanced_splits`), since fake tensors carry no routing;
+- the checkpoint's bytes: each part file gets its real header and a hole the size of its data
+  (a sparse file), its digest is the header's; a reload reads the headers, runs the box arithmetic
+  and takes fake tensors of each stored shape. Every simulated rank reloads once all have saved;
+  with some ranks only, the others' parts are absent, so the whole-model key check and the
+  coverage check are off (partial_checkpoint).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ["DS_ACCELERATOR"] = "cuda"  # before deepspeed is imported: its CUDA accelerator, NCCL's path
+
+import torch
+import torch.distributed as dist
+
+from .fake_cuda import (
+    CudaShim,
+    FakeCudaMode,
+    MemoryMeter,
+    fake_module_conversion,
+    install_meter,
+    materialize_without_init,
+    quiet_fake_tensor_logs,
+)
+from .nccl_rules import NcclRules, RuleError
+
+MODES = ("all", "roles")
+
+
+class DryRunError(RuntimeError):
+    """Bad input, or a failure the dry run found: one sentence."""
+
+
+@dataclass
+class RankReport:
+    rank: int
+    stage: int
+    role: str
+    peak_bytes: int
+    plan_bytes: int
+    intra_node_bytes: int
+    inter_node_bytes: int
+    collectives: dict
+    host_reads: int
+    seconds: float
+
+    def as_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "rank"}
+
+
+@dataclass
+class DryRun:
+    world: int
+    gpus_per_node: int
+    groups: dict
+    ranks: dict = field(default_factory=dict)  # rank -> RankReport
+
+    def as_json(self) -> dict:
+        return {"world": self.world, "gpus_per_node": self.gpus_per_node, "groups": self.groups,
+                "ranks": {str(r): rep.as_json() for r, rep in sorted(self.ranks.items())}}
+
+
+# ----------------------------------------------------------------------------- which ranks run
+
+def role_of(layout, rank: int, coords) -> tuple:
+    """What makes a rank's program differ: its pipeline stage (first / last, MoE layers or not all
+    follow from it) and, under tp, whether it is tp rank 0 (it writes the replicated weights)."""
+    c = coords(rank, layout)
+    return (c["pp"], c["tp"] == 0)
+
+
+def choose_ranks(spec: str, layout, world: int) -> list[int]:
+    """`all`, `roles` (the lowest rank of each role), or a comma list of ranks."""
+    from ..mesh import coords
+    if spec == "all":
+        return list(range(world))
+    if spec == "roles":
+        seen: dict = {}
+        for r in range(world):
+            seen.setdefault(role_of(layout, r, coords), r)
+        return sorted(seen.values())
+    try:
+        ranks = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise DryRunError(f"--ranks must be all, roles or a comma list of ranks, not {spec!r}.") from None
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad or not ranks:
+        raise DryRunError(f"--ranks {spec}: ranks must lie in 0..{world - 1}.")
+    return ranks
+
+
+# ----------------------------------------------------------------------------- stand-ins (see the docstring)
+
+def balanced_splits(dispatcher, n_tokens: int, k: int, count: int) -> list[list[int]]:
+    """The split sizes a balanced routing gives, in the form AllToAllDispatcher._splits returns.
+    Plain dispatch (2 vectors): n * k copies sent, spread evenly over the ep ranks, and as many
+    received. Dedup (3 vectors): token rows sent per rank = n * (expected ranks a token reaches) /
+    ep (plan.expected_remote_ranks), received alike, and n * k / ep (row, expert) pairs received."""
+    ep = dispatcher.ep
+
+    def even(total: int) -> list[int]:
+        return [total // ep + (1 if i < total % ep else 0) for i in range(ep)]
+
+    copies = even(n_tokens * k)
+    if count == 2:
+        return [copies, copies]
+    from ...plan import expected_remote_ranks
+    m = dispatcher.model_cfg
+    hits = expected_remote_ranks(m.n_routed_experts, k, ep, m.n_group, m.topk_group)
+    rows = even(min(n_tokens * ep, round(n_tokens * hits)))
+    return [rows, rows, [max(a, b) for a, b in zip(copies, rows)]]
+
+
+@contextlib.contextmanager
+def balanced_dispatch(model_cfg):
+    """AllToAllDispatcher's split-size read returns balanced_splits for the tokens in hand."""
+    from .. import expert
+    cls = expert.AllToAllDispatcher
+    base_dispatch, base_splits = cls.dispatch, cls._splits
+    current: list = []
+
+    def dispatch(self, x, topk_idx, topk_weight):
+        self.model_cfg = model_cfg
+        current.append((self, *topk_idx.shape))
+        try:
+            return base_dispatch(self, x, topk_idx, topk_weight)
+        finally:
+            current.pop()
+
+    def splits(*per_rank):
+        me, n, k = current[-1]
+        return balanced_splits(me, n, k, len(per_rank))
+
+    cls.dispatch, cls._splits = dispatch, staticmethod(splits)
+    try:
+        yield
+    finally:
+        cls.dispatch, cls._splits = base_dispatch, base_splits
+
+
+def write_sparse_safetensors(path, tensors, metadata=None) -> str:
+    """tensor_file.write_safetensors without the bytes: the real header, then a hole as long as the
+    data. Returns the header's sha256 (the data is not there to hash)."""
+    import hashlib
+
+    from ...tensor_file import _size, header_bytes
+    head = header_bytes(tensors, metadata)
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(len(head) + sum(_size(t.shape, t.dtype) for t in tensors.values()))
+    return hashlib.sha256(head).hexdigest()
+
+
+@contextlib.contextmanager
+def partial_checkpoint():
+    """A reload from the parts of some ranks only: the whole model's keys are not all there, and a
+    block whose every fragment lies in a part not written reads as an uninitialised block."""
+    from ...checkpoint import Index
+    base_fits, base_block = Index.check_fits, Index.block
+
+    def block(self, key, offsets=None, sizes=None):
+        if key in self.pieces:
+            return base_block(self, key, offsets, sizes)
+        return torch.empty(sizes)
+
+    Index.check_fits, Index.block = (lambda self, expected, error=None: None), block
+    try:
+        yield
+    finally:
+        Index.check_fits, Index.block = base_fits, base_block
+
+
+@contextlib.contextmanager
+def fake_checkpoint_bytes(written: dict, covered: bool = True):
+    """checkpoint.py writes sparse parts (digests into `written`) and reads fake tensors back;
+    covered=False: a block need not be covered by the parts present (they are some ranks' only)."""
+    from ... import checkpoint
+    from ...tensor_file import TensorFile
+    base_write, base_get, base_covered, base_rng = (checkpoint.write_safetensors, TensorFile.get,
+                                                    checkpoint._covered, torch.set_rng_state)
+
+    def write(path, tensors, metadata=None):
+        written[Path(path).name] = write_sparse_safetensors(path, tensors, metadata)
+        return written[Path(path).name]
+
+    def get(self, name):
+        dtype, shape, _, _ = self.entries[name]
+        return torch.empty(shape, dtype=dtype)
+
+    checkpoint.write_safetensors, TensorFile.get = write, get
+    if not covered:
+        checkpoint._covered = lambda pieces, offsets, sizes: True
+    torch.set_rng_state = lambda state: None
+    try:
+        yield
+    finally:
+        checkpoint.write_safetensors, TensorFile.get = base_write, base_get
+        checkpoint._covered, torch.set_rng_state = base_covered, base_rng
+
+
+# ----------------------------------------------------------------------------- one rank
+
+class Simulator:
+    """Runs the chosen ranks of one config and world in this process, one after another."""
+
+    def __init__(self, config: str, overrides: list[str], world: int, gpus_per_node: int):
+        from ...config import ConfigError, load_config, validate_layout
+        if world < 1 or gpus_per_node < 1:
+            raise DryRunError(f"--world ({world}) and --gpus-per-node ({gpus_per_node}) must be positive.")
+        if world % gpus_per_node and world > gpus_per_node:
+            raise DryRunError(f"--gpus-per-node {gpus_per_node} must divide --world {world}.")
+        self.config, self.world, self.gpus_per_node = config, world, min(gpus_per_node, world)
+        self.workdir = Path(tempfile.mkdtemp(prefix="moe_trainer_dry_run_"))
+        self.overrides = list(overrides) + [f"run.out_dir={self.workdir / 'run'}", "train.eval_every=0",
+                                            "train.checkpoint_every=0", "parallel.cpu_alltoall=gloo",
+                                            "parallel.cpu_p2p=gloo"]
+        try:
+            self.base_cfg = load_config(config, self.overrides)
+            self.layout = validate_layout(self.base_cfg, world, self.gpus_per_node)
+        except ConfigError as e:
+            raise DryRunError(f"config error: {e}") from None
+        self.meter = MemoryMeter()
+        self.cuda = CudaShim(self.gpus_per_node, self.meter)
+        self.rules = NcclRules(world, self.gpus_per_node)
+        self.written: dict = {}  # part file -> the digest its writer returned
+        self.kept: dict = {}  # rank -> (trainer, its fake mode), reloaded once every part is written
+        self.checkpoint_dir: Path | None = None
+        self._prepare_process()
+
+    def _prepare_process(self) -> None:
+        from .cuda_guard import install_cuda_guard
+        install_cuda_guard(self.gpus_per_node)
+        self.cuda.install()
+        install_meter(self.meter)
+        quiet_fake_tensor_logs()
+        self.rules.install()
+        import logging
+
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+    def plan_bytes(self) -> list[int]:
+        """The planner's per-rank estimate of each stage (states + activations, ZeRO-1, mixed precision
+        for bf16), for the dtype a CUDA run resolves train.dtype auto to."""
+        from ...config import load_config
+        from ...plan import make_plan
+        cfg = load_config(self.config, self.overrides)
+        if cfg.train.dtype == "auto":
+            cfg.train.dtype = "bf16"
+        plan = make_plan(cfg, self.world)
+        return [int(s.total) for s in plan.stages]
+
+    def run_rank(self, rank: int) -> RankReport:
+        from ... import trainer as trainer_module
+        from ...config import load_config
+        from ...train import make_trainer
+        from .. import mesh as mesh_module
+        t0 = time.perf_counter()
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(self.world),
+                           "LOCAL_RANK": str(rank % self.gpus_per_node),
+                           "LOCAL_WORLD_SIZE": str(self.gpus_per_node), "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": "29500"})
+        cfg = load_config(self.config, self.overrides)
+        gc.collect()  # earlier ranks' garbage is freed now, not inside this rank's count
+        self.meter.reset()
+        self.rules.begin_rank(rank)
+        device = torch.device("cuda", rank % self.gpus_per_node)
+        built: list = []
+        base_build = mesh_module.build_mesh
+
+        def build_mesh(*args, **kwargs):  # the mesh the trainer gets, kept to name its groups
+            built.append(base_build(*args, **kwargs))
+            return built[-1]
+
+        mode = FakeCudaMode()
+        base_materialize = trainer_module.materialize
+        dist.init_process_group("fake", store=dist.HashStore(),  # HashStore: the collective watch clones it
+                                rank=rank, world_size=self.world)
+        try:
+            mesh_module.build_mesh = build_mesh
+            with mode, fake_module_conversion(), balanced_dispatch(cfg.model), fake_checkpoint_bytes(self.written):
+                trainer_module.materialize = materialize_without_init(
+                    device, torch.bfloat16 if cfg.train.dtype in ("bf16", "auto") else None)
+                trainer = make_trainer(cfg, self.layout)
+                trainer.train_step()  # every micro-batch of the schedule, then the optimizer step
+                trainer.step = 1
+                self.save(trainer)
+            self.kept[rank] = (trainer, mode)
+            kinds = {pg: kind for kind, pg in reversed(list(built[0].groups.items())) if pg is not None}
+            kinds.update({pg: "self" for pg in getattr(mesh_module, "_SINGLE", {}).values()})
+            self.rules.end_rank(kinds)
+        finally:
+            trainer_module.materialize = base_materialize
+            mesh_module.build_mesh = base_build
+            self._teardown(mesh_module)
+        traffic = self.rules.traffic(rank)
+        stage = built[0].coord["pp"]
+        return RankReport(rank, stage, _role_text(built[0]), self.meter.peak, self.plan_bytes()[stage],
+                          traffic["intra_node_bytes"], traffic["inter_node_bytes"], traffic["collectives"],
+                          sum(mode.host_reads.values()), time.perf_counter() - t0)
+
+    def save(self, trainer) -> None:
+        """checkpoint.save as every rank runs it. Rank 0, simulated first, renamed its directory into
+        place; a later rank's part is moved there beside it."""
+        from ... import checkpoint
+        rank = trainer.mesh.rank
+        root = trainer.out_dir / "checkpoints"
+        tmp, final = root / f".step_{trainer.step}.tmp", root / f"step_{trainer.step}"
+        if rank != 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+        checkpoint.save(trainer)
+        if rank != 0:
+            final.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp / checkpoint.part_name(rank), final / checkpoint.part_name(rank))
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.checkpoint_dir = final
+
+    def reload_all(self, complete: bool) -> None:
+        """checkpoint.load on every simulated rank, once every part is on disk. `complete` (every rank
+        ran): the manifest lists the whole world and every check runs. Otherwise it lists the parts that
+        exist, and the checks that need the others' (every key present, every element covered) are off."""
+        from ... import checkpoint
+        final = self.checkpoint_dir
+        files = {name: {"bytes": (final / name).stat().st_size, "sha256": digest}
+                 for name, digest in sorted(self.written.items()) if (final / name).is_file()}
+        state = final / "state.json"
+        files[state.name] = {"bytes": state.stat().st_size, "sha256": checkpoint.sha256(state)}
+        manifest = {"step": 1, "world": self.world, "files": files}
+        (final / checkpoint.MANIFEST).write_text(json.dumps(manifest, indent=1))
+        problem = checkpoint.verify(final, read=("state.json",))
+        if problem:
+            raise DryRunError(f"the checkpoint the ranks wrote does not verify: {problem}.")
+        for rank, (trainer, mode) in sorted(self.kept.items()):
+            partial = contextlib.nullcontext() if complete else partial_checkpoint()
+            try:
+                with mode, fake_module_conversion(), fake_checkpoint_bytes(self.written, covered=complete), partial:
+                    step = checkpoint.load(final, trainer)
+            except (RuntimeError, ValueError, TypeError, IndexError, KeyError) as e:
+                raise op_failure(e, rank) from e
+            if step != trainer.step:
+                raise DryRunError(f"rank {rank}: the checkpoint it reloaded is at step {step}, not {trainer.step}.")
+
+    def _teardown(self, mesh_module) -> None:
+        """The process group and every registry that holds this rank's groups."""
+        from ..launch import shutdown_distributed
+        shutdown_distributed()  # the real run's end: its collective watch stopped, a barrier, the groups gone
+        getattr(mesh_module, "_SINGLE", {}).clear()
+        from deepspeed.utils import groups
+        for name in dir(groups):
+            value = getattr(groups, name)
+            if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")) and isinstance(value, dict):
+                value.clear()
+            elif name.startswith("_") and name.endswith("_GROUP") and value is not None and not callable(value):
+                setattr(groups, name, None)
+
+    def run(self, ranks: list[int], mode: str, progress=None) -> DryRun:
+        from ..mesh import group_ranks
+        groups = {k: v for k, v in group_ranks(self.layout).items() if k in ("tp", "cp", "pp", "ep", "edp", "dp")}
+        out = DryRun(self.world, self.gpus_per_node, groups)
+        try:
+            for r in ranks:
+                try:
+                    out.ranks[r] = self.run_rank(r)
+                except (RuleError, DryRunError):
+                    raise
+                except (RuntimeError, ValueError, TypeError, IndexError) as e:
+                    raise op_failure(e, r) from e
+                if progress:
+                    progress(out.ranks[r])
+            complete = len(ranks) == self.world
+            if mode == "all" and complete:
+                self.rules.check_sequences()
+                self.rules.check_p2p()
+            self.reload_all(complete)
+        finally:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        return out
+
+
+def _role_text(mesh) -> str:
+    L, c = mesh.layout, mesh.coord
+    parts = [f"stage {c['pp']}/{L.pp}"]
+    if mesh.is_first_stage:
+        parts.append("first")
+    if mesh.is_last_stage:
+        parts.append("last")
+    return " ".join(parts)
+
+
+def format_report(run: DryRun) -> str:
+    """One line per rank that ran: peak fake-CUDA memory beside the planner's, traffic, counts."""
+    lines = [f"dry run: world {run.world}, {run.gpus_per_node} GPUs per node; {len(run.ranks)} rank(s) ran"]
+    for r, rep in sorted(run.ranks.items()):
+        ratio = rep.peak_bytes / rep.plan_bytes if rep.plan_bytes else float("nan")
+        counts = ", ".join(f"{k} {v}" for k, v in rep.collectives.items())
+        lines.append(f"rank {r} ({rep.role}): peak {rep.peak_bytes / 1e9:.3f} GB, plan {rep.plan_bytes / 1e9:.3f} GB "
+                     f"({ratio:.2f}x); sent {rep.intra_node_bytes / 1e6:.1f} MB inside its node, "
+                     f"{rep.inter_node_bytes / 1e6:.1f} MB across nodes; {rep.host_reads} host reads; "
+                     f"{rep.seconds:.1f} s")
+        lines.append(f"  collectives: {counts}")
+    return "\n".join(lines)
+
+
+def op_failure(e: BaseException, rank: int) -> DryRunError:
+    """An op that failed under fake CUDA as one sentence: which check (devices inside an op, or shapes and
+    the grouped GEMM's alignment), the rank, and the innermost moe_trainer frame of the traceback."""
+    site, tb = "?", e.__traceback__
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename.replace("\\", "/")
+        if "/moe_trainer/" in path and "/parallel/dryrun/" not in path:
+            site = "moe_trainer/" + path.split("/moe_trainer/", 1)[1] + f":{tb.tb_lineno}"
+        tb = tb.tb_next
+    text = " ".join(str(e).split())[:300].rstrip(".")
+    rule = "tensors of one op on one device" if "device" in text.lower() else "shapes and alignment of an op"
+    return DryRunError(f"check failed ({rule}): rank {rank} at {site}: {text}.")
