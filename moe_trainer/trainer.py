@@ -141,6 +141,7 @@ class Trainer:
         self.spikes = SpikeGuard() if t.spike_guard else None
         self.rolled_back_to: Optional[int] = None  # the checkpoint step of the last rollback
         self.data_offset = 0  # batches skipped by rollbacks: step s trains on sample position s + offset
+        self.sink_steps = 0  # steps this process has logged
 
     # ------------------------------------------------------------------ setup
     def _enable_shm_collectives(self) -> None:
@@ -542,8 +543,9 @@ class Trainer:
             record[f"comm.{kind}_s"] = s
         # the step split: time inside the dispatch/combine all-to-alls (forward and backward)
         record["time.all_to_all_s"] = sum(s for k, s in seconds.items() if k.startswith(("dispatch", "combine")))
-        if self.layout.world > 1:
+        if self.layout.world > 1 and self.sink_steps > 0:  # a process's first step pays its one-time costs
             self.name_stragglers(r["times"])
+        self.sink_steps += 1
         if self.sink:
             self.sink.log(self.step, record)
             self.sink.progress(self.step, record)

