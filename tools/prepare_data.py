@@ -19,8 +19,8 @@ and the index lists every shard's token count and largest id, so a run's start r
 file in full.
 
 Memory is flat in the corpus size: bounded by the workers and the chunks in flight (2 per
-worker): about 100 MB for this process plus, per worker, the tokenizer and ~40 MB (measured:
-see docs/BENCHMARKS_data.md).
+worker) and the tokenizer: 389 MB for the whole process tree with 2 workers and a 16k-id BPE on
+a 500 MB JSONL, 343 MB on 100 MB (docs/BENCHMARKS_data.md).
 
 Interruption: the work happens in OUT_DIR.partial, renamed to OUT_DIR only when complete.
 Rerunning the same command resumes after the last finished shard; changed inputs or
