@@ -206,7 +206,11 @@ def main(argv=None) -> int:
         if not isinstance(e, DistError) and not is_gloo_failure(e):
             raise
         report_collective_failure(e, rank, cfg.parallel.timeout_s)  # one line per job, naming the rank
-        return 4
+        # end here, as the watch thread does: tearing down a process group whose peer is stopped can abort
+        # in C++ ("terminate called without an active exception") and turn exit 4 into 250
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(4)
     shutdown_distributed()
     if rank == 0:
         print(f"run directory: {os.path.abspath(cfg.run.out_dir)}")

@@ -150,8 +150,6 @@ def failure_line(origin: int, reason: str, timeout_s: float, answers: Optional[d
         where = behind[0][1]
         line += (f" Rank(s) {_ranks([r for r, _ in behind])} stopped making progress (at {where}) while the "
                  f"others went on to a collective: the likely cause.")
-        if not silent:
-            return line
     if silent:
         return line + (f" Rank(s) {_ranks(silent)} never answered through the rendezvous store: stopped, hung "
                        f"or dead, the likely cause.")
