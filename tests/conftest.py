@@ -170,7 +170,6 @@ def assert_same_final_weights(one_dir: Path, many_dir: Path, step: int = 5) -> N
     1.5e-4 in llama3 tp 2 x pp 2 x v 2, 5% of one Adam step). So: at most one element of a tensor (one
     in 10,000 of a larger one) may leave that band, and none by more than 0.1 x lr (3e-4). A wrong
     gradient moves weights by about lr per step, in most elements: it fails both."""
-    import torch
     a, b = checkpoint_weights(one_dir, step), checkpoint_weights(many_dir, step)
     assert a.keys() == b.keys()
     for k in a:
@@ -227,3 +226,16 @@ class EventLikeClock:
     def seconds(self, a, b) -> float:
         assert self.synced, "a mark was read before the step's host sync"
         return b - a
+
+
+@pytest.fixture
+def one_rank_env(monkeypatch):
+    """The environment of a launched world of one (a free port on loopback), for tests that start
+    torch.distributed and a DeepSpeed engine in this process."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                 "LOCAL_RANK": "0", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}.items():
+        monkeypatch.setenv(k, v)

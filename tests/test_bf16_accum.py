@@ -10,8 +10,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import socket
 
 import pytest
 import torch
@@ -68,15 +66,9 @@ def _relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 
 
 @pytest.mark.timeout(300)
-def test_fp32_accumulation_is_exact_where_bf16_accumulation_rounds(monkeypatch):
+def test_fp32_accumulation_is_exact_where_bf16_accumulation_rounds(one_rank_env):
     import torch.distributed as dist
     from moe_trainer.parallel.zero import uses_bf16_optimizer
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
-                 "LOCAL_RANK": "0", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}.items():
-        monkeypatch.setenv(k, v)
     torch.manual_seed(0)
     model = Regression()
     g = torch.Generator().manual_seed(1)

@@ -1,7 +1,6 @@
 """The gradient-noise-scale estimator on synthetic gradients with known noise,
 and the hook helpers against manual computations."""
 import math
-import os
 
 import pytest
 import torch
@@ -115,18 +114,11 @@ def test_counted_params_tensor_parallel_rule():
 
 
 @pytest.mark.timeout(300)
-def test_reduced_grad_norm_reads_deepspeeds_global_batch_norm(monkeypatch):
+def test_reduced_grad_norm_reads_deepspeeds_global_batch_norm(one_rank_env):
     """One rank, ZeRO-1, 2 micro-batches: the recorded norm is the norm of the mean
     gradient over both micro-batches, and the micro norms come out unscaled."""
     deepspeed = pytest.importorskip("deepspeed")
-    import socket
     import torch.distributed as dist
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
-                 "LOCAL_RANK": "0", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}.items():
-        monkeypatch.setenv(k, v)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     ref = [p.detach().clone() for p in model.parameters()]
