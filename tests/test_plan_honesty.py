@@ -38,6 +38,7 @@ from test_dense_parity import DENSE
 MOE, LLAMA = "configs/moe_tiny.yaml", "configs/llama3_tiny.yaml"
 CASES = {  # name: (config, overrides); world 2 each
     "moe_ep2": (MOE, TINY + ["parallel.ep=2"]),
+    "moe_ep2_bf16": (MOE, TINY + ["parallel.ep=2", "train.dtype=bf16"]),  # DeepSpeed's BF16_Optimizer path
     "moe_pp2_mtp": (MOE, TINY + ["parallel.pp=2", "model.num_nextn_predict_layers=1"]),
     "dense_tp2_sp": (LLAMA, DENSE + ["parallel.tp=2"]),
     "dense_tp2_no_sp": (LLAMA, DENSE + ["parallel.tp=2", "parallel.sequence_parallel=false"]),
@@ -49,7 +50,8 @@ WORLD, ELEM, ALIGN = 2, 4, 2  # fp32 configs; DeepSpeed's nccl_start_alignment_f
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
     config, overrides = CASES[request.param]
-    overrides = overrides + ["train.dtype=fp32"]  # what these CPU ranks train in (auto: the planner assumes GPUs' bf16)
+    if not any(o.startswith("train.dtype=") for o in overrides):
+        overrides = overrides + ["train.dtype=fp32"]  # what these CPU ranks train in (auto: the planner assumes GPUs' bf16)
     cfg = load_config(str(ROOT / config), overrides)
     ranks = measure_layout(config, overrides, WORLD, steps=2, out_dir=str(tmp_path_factory.mktemp("honesty")))
     return request.param, cfg, plan.make_plan(cfg, WORLD), ranks

@@ -31,12 +31,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SCALAR_BYTES = 8
 
 
-def _optimizer_numels(opt) -> dict:
+def _optimizer_numels(engine) -> dict:
     """Elements of DeepSpeed ZeRO-1 optimizer state on this rank: the fp32 partition (master copy) and
-    Adam's tensors (scalar `step` entries left out)."""
+    Adam's tensors (scalar `step` entries left out), under either optimizer a run selects (ZeRO-1's, or
+    the BF16_Optimizer of bf16 runs with fp32 gradient accumulation)."""
     import torch
-    out = {"fp32_partition": sum(t.numel() for t in opt.single_partition_of_fp32_groups), "groups":
-           len(opt.single_partition_of_fp32_groups)}
+    from ..parallel.zero import fp32_partitions
+    opt, parts = engine.optimizer, fp32_partitions(engine)
+    out = {"fp32_partition": sum(t.numel() for t in parts), "groups": len(parts)}
     for group in opt.optimizer.param_groups:
         for p in group["params"]:
             for k, v in opt.optimizer.state.get(p, {}).items():
@@ -98,7 +100,7 @@ def _worker(rank, world, port, config, overrides, out_dir, steps, results):
         "numel": sum(p.numel() for p in params), "param_bytes": sum(p.numel() * p.element_size() for p in params),
         "expert_numel": sum(p.numel() for n, p in trainer.engine.module.named_parameters() if ".mlp.experts." in
                             "." + n),
-        "optimizer": _optimizer_numels(trainer.engine.optimizer), "steps": records,
+        "optimizer": _optimizer_numels(trainer.engine), "steps": records,
         "tokens_per_step": cfg.train.global_batch_size * cfg.train.seq_len}
     dist.barrier()
     dist.destroy_process_group()
