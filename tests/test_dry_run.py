@@ -89,6 +89,26 @@ def test_moe_tiny_all_ranks_json(tmp_path):
         assert rank["inter_node_bytes"] > 0 and rank["intra_node_bytes"] == 0
 
 
+def test_short_schedules_extrapolate_to_the_full_one(tmp_path):
+    """--micro-batches auto (runs of pp and pp + 1 micro-batches) reports what running all 8 does:
+    the same collective counts, bytes and host reads exactly, the same peak (pp in flight either way)."""
+    reports = {}
+    for mode in ("all", "auto"):
+        out = tmp_path / f"{mode}.json"
+        proc = dry_run(["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "2", "--set",
+                        "parallel.pp=2", "--ranks", "all", "--micro-batches", mode, "--json", str(out)])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports[mode] = json.loads(out.read_text())
+    assert reports["all"]["micro_batches"] == reports["auto"]["micro_batches"] == 8
+    for r in ("0", "1"):
+        full, short = reports["all"]["ranks"][r], reports["auto"]["ranks"][r]
+        assert full["micro_batches_run"] == [8] and short["micro_batches_run"] == [2, 3]
+        assert full["collectives"]["pp.send"] == 8
+        for key in ("collectives", "intra_node_bytes", "inter_node_bytes", "host_reads"):
+            assert short[key] == full[key], (r, key)
+        assert abs(short["peak_bytes"] / full["peak_bytes"] - 1) < 0.05
+
+
 def test_llama3_tiny_4d_layout_all_ranks():
     proc = dry_run(["--config", "configs/llama3_tiny.yaml", "--world", "8", "--gpus-per-node", "4",
                     "--set", "parallel.tp=2", "--set", "parallel.pp=2", "--ranks", "all"])

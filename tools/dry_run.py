@@ -61,6 +61,11 @@ def parse_args(argv):
     p.add_argument("--world", type=int, required=True, help="world size (GPUs) to simulate")
     p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node: rank r is on node r // G")
     p.add_argument("--ranks", default="roles", help="all | roles | R1,R2,... (default: roles)")
+    p.add_argument("--micro-batches", default="auto", choices=("auto", "all"),
+                   help="auto (default): a schedule of more than pp + 1 micro-batches (2 pp / 3 pp when "
+                   "interleaved) is run twice, at those two counts, and its traffic and collective counts "
+                   "extrapolated exactly (both are linear in the count; the peak is already reached); "
+                   "all: run every micro-batch")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT")
     return p.parse_args(argv)
 
@@ -69,7 +74,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from moe_trainer.parallel.dryrun.runner import DryRunError, RuleError, Simulator, choose_ranks, format_report
     try:
-        sim = Simulator(args.config, args.overrides, args.world, args.gpus_per_node)
+        sim = Simulator(args.config, args.overrides, args.world, args.gpus_per_node, args.micro_batches)
         ranks = choose_ranks(args.ranks, sim.layout, args.world)
     except DryRunError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -282,19 +282,20 @@ class NcclRules:
                                     f"in order): rank {pair[0]}'s {s}, rank {pair[1]}'s {r} from it.")
 
     # ------------------------------------------------------------------ the report
-    def traffic(self, rank: int) -> dict:
-        """Collective counts by (group kind, op) and the bytes this rank sends inside / across nodes."""
+    def traffic(self, rank: int, calls: slice = slice(None), p2p: slice = slice(None)) -> dict:
+        """Collective counts by (group kind, op) and the bytes this rank sends inside / across nodes,
+        over the slices `calls` and `p2p` of its log (default all of it)."""
         log = self.logs[rank]
         counts: Counter = Counter()
         intra = inter = 0
-        for call in log.calls:
+        for call in log.calls[calls]:
             counts[f"{call.kind}.{call.op}"] += 1
             for peer, nbytes in call.sends:
                 if peer // self.gpus_per_node == rank // self.gpus_per_node:
                     intra += nbytes
                 else:
                     inter += nbytes
-        for direction, peer, nbytes, _, _ in log.p2p:
+        for direction, peer, nbytes, _, _ in log.p2p[p2p]:
             counts[f"pp.{direction}"] += 1
             if direction == "send":
                 if peer // self.gpus_per_node == rank // self.gpus_per_node:

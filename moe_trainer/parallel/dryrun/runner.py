@@ -61,6 +61,8 @@ class RankReport:
     collectives: dict
     host_reads: int
     seconds: float
+    micro_batches_run: list  # the schedule's count, or the two shorter runs extrapolated from
+
 
     def as_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "rank"}
@@ -71,10 +73,12 @@ class DryRun:
     world: int
     gpus_per_node: int
     groups: dict
+    micro_batches: int = 0  # the schedule's, per optimizer step
     ranks: dict = field(default_factory=dict)  # rank -> RankReport
 
     def as_json(self) -> dict:
         return {"world": self.world, "gpus_per_node": self.gpus_per_node, "groups": self.groups,
+                "micro_batches": self.micro_batches,
                 "ranks": {str(r): rep.as_json() for r, rep in sorted(self.ranks.items())}}
 
 
@@ -221,13 +225,17 @@ def fake_checkpoint_bytes(written: dict, covered: bool = True):
 class Simulator:
     """Runs the chosen ranks of one config and world in this process, one after another."""
 
-    def __init__(self, config: str, overrides: list[str], world: int, gpus_per_node: int):
+    def __init__(self, config: str, overrides: list[str], world: int, gpus_per_node: int,
+                 micro_batches: str = "auto"):
         from ...config import ConfigError, load_config, validate_layout
         if world < 1 or gpus_per_node < 1:
             raise DryRunError(f"--world ({world}) and --gpus-per-node ({gpus_per_node}) must be positive.")
         if world % gpus_per_node and world > gpus_per_node:
             raise DryRunError(f"--gpus-per-node {gpus_per_node} must divide --world {world}.")
+        if micro_batches not in ("auto", "all"):
+            raise DryRunError(f"--micro-batches must be auto or all, not {micro_batches!r}.")
         self.config, self.world, self.gpus_per_node = config, world, min(gpus_per_node, world)
+        self.micro_batches = micro_batches
         self.workdir = Path(tempfile.mkdtemp(prefix="moe_trainer_dry_run_"))
         self.overrides = list(overrides) + [f"run.out_dir={self.workdir / 'run'}", "train.eval_every=0",
                                             "train.checkpoint_every=0", "parallel.cpu_alltoall=gloo",
@@ -268,17 +276,54 @@ class Simulator:
         plan = make_plan(cfg, self.world)
         return [int(s.total) for s in plan.stages]
 
+    def probe_sizes(self) -> tuple[int, int] | None:
+        """The two shorter schedules a rank runs instead of the full one (`micro_batches` "auto"), or
+        None to run every micro-batch. Every micro-batch of a step has the same shapes, so traffic and
+        collective counts are linear in the count: fixed per step + per micro-batch. Runs of k1 and k2
+        micro-batches give both terms exactly. The peak is the full schedule's once k1 covers the most
+        micro-batches a stage holds in flight: pp under 1F1B; under interleaved 1F1B the warm-up of
+        stage 0 ((pp - 1) * 2 + (v - 1) * pp chunks) fits in 2 pp micro-batches, which keep the count a
+        multiple of pp as the interleaved order needs."""
+        m, pp, v = self.layout.grad_accum, self.layout.pp, self.base_cfg.parallel.virtual_stages
+        k1, k2 = (2 * pp, 3 * pp) if v > 1 else (pp, pp + 1)
+        if self.micro_batches == "all" or m <= k2:
+            return None
+        return k1, k2
+
     def run_rank(self, rank: int) -> RankReport:
+        t0 = time.perf_counter()
+        sizes = self.probe_sizes()
+        if sizes is None:
+            built, step, save, peak = self._run_pass(rank, self.overrides, keep=True)
+        else:
+            k1, k2 = sizes
+            m = self.layout.grad_accum
+            per_step = self.base_cfg.train.global_batch_size // m
+            _, step1, _, peak1 = self._run_pass(
+                rank, self.overrides + [f"train.global_batch_size={per_step * k1}", "parallel.micro_batches=0"], keep=False)
+            built, step2, save, peak2 = self._run_pass(
+                rank, self.overrides + [f"train.global_batch_size={per_step * k2}", "parallel.micro_batches=0"], keep=True)
+            step, peak = extrapolate(step1, step2, k1, k2, m, rank), max(peak1, peak2)
+        traffic = combine(step, save)
+        stage = built.coord["pp"]
+        return RankReport(rank, stage, _role_text(built), peak, self.plan_bytes()[stage],
+                          traffic["intra_node_bytes"], traffic["inter_node_bytes"], traffic["collectives"],
+                          traffic["host_reads"], time.perf_counter() - t0,
+                          list(sizes) if sizes else [self.layout.grad_accum])
+
+    def _run_pass(self, rank: int, overrides: list[str], keep: bool):
+        """Builds rank `rank`'s trainer from `overrides`, trains one step and, with `keep`, saves it and
+        keeps it for the reload. Returns (its mesh, its traffic, its peak bytes, its host reads)."""
         from ... import trainer as trainer_module
-        from ...config import load_config
+        from ...config import load_config, validate_layout
         from ...train import make_trainer
         from .. import mesh as mesh_module
-        t0 = time.perf_counter()
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(self.world),
                            "LOCAL_RANK": str(rank % self.gpus_per_node),
                            "LOCAL_WORLD_SIZE": str(self.gpus_per_node), "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": "29500"})
-        cfg = load_config(self.config, self.overrides)
+        cfg = load_config(self.config, overrides)
+        layout = validate_layout(cfg, self.world, self.gpus_per_node)
         gc.collect()  # earlier ranks' garbage is freed now, not inside this rank's count
         self.meter.reset()
         self.rules.begin_rank(rank)
@@ -299,11 +344,15 @@ class Simulator:
             with mode, fake_module_conversion(), balanced_dispatch(cfg.model), fake_checkpoint_bytes(self.written):
                 trainer_module.materialize = materialize_without_init(
                     device, torch.bfloat16 if cfg.train.dtype in ("bf16", "auto") else None)
-                trainer = make_trainer(cfg, self.layout)
+                trainer = make_trainer(cfg, layout)
                 trainer.train_step()  # every micro-batch of the schedule, then the optimizer step
-                trainer.step = 1
-                self.save(trainer)
-            self.kept[rank] = (trainer, mode)
+                log = self.rules.logs[rank]
+                marks = len(log.calls), len(log.p2p), sum(mode.host_reads.values())
+                if keep:
+                    trainer.step = 1
+                    self.save(trainer)
+            if keep:
+                self.kept[rank] = (trainer, mode)
             kinds = {pg: kind for kind, pg in reversed(list(built[0].groups.items())) if pg is not None}
             kinds.update({pg: "self" for pg in getattr(mesh_module, "_SINGLE", {}).values()})
             self.rules.end_rank(kinds)
@@ -311,11 +360,13 @@ class Simulator:
             trainer_module.materialize = base_materialize
             mesh_module.build_mesh = base_build
             self._teardown(mesh_module)
-        traffic = self.rules.traffic(rank)
-        stage = built[0].coord["pp"]
-        return RankReport(rank, stage, _role_text(built[0]), self.meter.peak, self.plan_bytes()[stage],
-                          traffic["intra_node_bytes"], traffic["inter_node_bytes"], traffic["collectives"],
-                          sum(mode.host_reads.values()), time.perf_counter() - t0)
+        if not keep:
+            del trainer
+        step = self.rules.traffic(rank, calls=slice(0, marks[0]), p2p=slice(0, marks[1]))
+        step["host_reads"] = marks[2]
+        save = self.rules.traffic(rank, calls=slice(marks[0], None), p2p=slice(marks[1], None))
+        save["host_reads"] = sum(mode.host_reads.values()) - marks[2]
+        return built[0], step, save, self.meter.peak
 
     def save(self, trainer) -> None:
         """checkpoint.save as every rank runs it. Rank 0, simulated first, renamed its directory into
@@ -374,7 +425,7 @@ class Simulator:
     def run(self, ranks: list[int], mode: str, progress=None) -> DryRun:
         from ..mesh import group_ranks
         groups = {k: v for k, v in group_ranks(self.layout).items() if k in ("tp", "cp", "pp", "ep", "edp", "dp")}
-        out = DryRun(self.world, self.gpus_per_node, groups)
+        out = DryRun(self.world, self.gpus_per_node, groups, self.layout.grad_accum)
         try:
             for r in ranks:
                 try:
@@ -393,6 +444,40 @@ class Simulator:
         finally:
             shutil.rmtree(self.workdir, ignore_errors=True)
         return out
+
+
+def extrapolate(t1: dict, t2: dict, k1: int, k2: int, m: int, rank: int) -> dict:
+    """The full schedule's traffic from runs of k1 and k2 micro-batches: every number (bytes, each
+    collective count) is fixed + per_micro_batch * k. A number that does not step evenly between the
+    two runs is not linear in the count, and the shortcut would be a guess: one sentence instead."""
+    def value(name, a, b):
+        step, rest = divmod(b - a, k2 - k1)
+        if rest or step < 0:
+            raise DryRunError(f"rank {rank}: {name} is {a} with {k1} micro-batches and {b} with {k2}, not linear in "
+                              f"the micro-batch count; rerun with --micro-batches all.")
+        return a + step * (m - k1)
+
+    out = {}
+    for key in t1.keys() | t2.keys():
+        if isinstance(t1.get(key, t2.get(key)), dict):
+            a, b = t1.get(key, {}), t2.get(key, {})
+            out[key] = {k: value(k, a.get(k, 0), b.get(k, 0)) for k in sorted(a.keys() | b.keys())}
+        else:
+            out[key] = value(key, t1.get(key, 0), t2.get(key, 0))
+    return out
+
+
+def combine(a: dict, b: dict) -> dict:
+    """Two traffic records (the step's, the checkpoint's) as one: numbers and counts added."""
+    out = {}
+    for key in a.keys() | b.keys():
+        x, y = a.get(key), b.get(key)
+        if isinstance(x if x is not None else y, dict):
+            x, y = x or {}, y or {}
+            out[key] = {k: x.get(k, 0) + y.get(k, 0) for k in sorted(x.keys() | y.keys())}
+        else:
+            out[key] = (x or 0) + (y or 0)
+    return out
 
 
 def _role_text(mesh) -> str:
@@ -414,9 +499,16 @@ def format_report(run: DryRun) -> str:
         lines.append(f"rank {r} ({rep.role}): peak {rep.peak_bytes / 1e9:.3f} GB, plan {rep.plan_bytes / 1e9:.3f} GB "
                      f"({ratio:.2f}x); sent {rep.intra_node_bytes / 1e6:.1f} MB inside its node, "
                      f"{rep.inter_node_bytes / 1e6:.1f} MB across nodes; {rep.host_reads} host reads; "
-                     f"{rep.seconds:.1f} s")
+                     f"{rep.seconds:.1f} s{_probe_text(rep, run)}")
         lines.append(f"  collectives: {counts}")
     return "\n".join(lines)
+
+
+def _probe_text(rep: RankReport, run: DryRun) -> str:
+    if len(rep.micro_batches_run) == 1:
+        return ""
+    k1, k2 = rep.micro_batches_run
+    return f" (ran {k1} and {k2} micro-batches; traffic and counts extrapolated to the schedule's {run.micro_batches})"
 
 
 def op_failure(e: BaseException, rank: int) -> DryRunError:
