@@ -210,3 +210,41 @@ def load_run_checkpoint(model: torch.nn.Module, cfg: ModelConfig, path: Path) ->
 def is_run_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / "manifest.json").is_file()
 
+
+
+# ----------------------------------------------------------------------------- checked before the start
+
+def check_source(cfg: ModelConfig, path: Path) -> None:
+    """train.init_from's headers against the model, before any process group or engine: its files
+    open as safetensors (a truncated file fails here), its key set and every global shape are the
+    model's. Reads headers only; the weights are read later, by each rank for its own part."""
+    from .hf.weights_file import check_same_model, hf_dir_model
+    path = Path(path)
+    if is_run_checkpoint(path):
+        from .checkpoint import CheckpointError, Index
+        try:
+            Index(path).check_fits(_expected_shapes(cfg), HFFormatError)
+        except CheckpointError as e:
+            raise HFFormatError(f"train.init_from {path}: {e}") from None
+        return
+    if (path / "config.json").is_file():
+        import dataclasses
+        check_same_model(cfg, hf_dir_model(path), [f.name for f in dataclasses.fields(ModelConfig)], path)
+        quant = read_config(path).get("quantization_config")
+        block = list(quant.get("weight_block_size") or [128, 128]) if quant is not None else None
+        naming = _Naming(Source(_checkpoint_files(path), block), cfg, hf=True)
+        fresh_mtp = cfg.arch == "deepseek_v3" and cfg.num_nextn_predict_layers > 0 and not any(
+            k.startswith("mtp.") for k in naming.shapes)
+        _check(naming, cfg, str(path), "mtp." if fresh_mtp else None)
+        return
+    _check(_Naming(Source([path]), cfg, hf=False), cfg, str(path), None)
+
+
+def tokenizer_dir(path: Path) -> Optional[Path]:
+    """Where train.init_from's tokenizer lies, if it carries one: a Hugging Face directory's own
+    tokenizer.json, or a run checkpoint's run directory (checkpoints/step_N -> the run's copy)."""
+    path = Path(path)
+    for d in ((path.parent.parent,) if is_run_checkpoint(path) else (path,) if path.is_dir() else ()):
+        if (d / "tokenizer.json").is_file():
+            return d
+    return None

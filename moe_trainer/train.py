@@ -168,6 +168,25 @@ def plan_run(args, rank: int):
     return start
 
 
+def check_inputs(start) -> None:
+    """What every rank reads later, checked before the process group, the model and the engine (a
+    truncated file would otherwise be found after a minute of set-up): train.init_from's headers,
+    key set and shapes, and its tokenizer against the data's; on a resume, the tokenizer the run
+    directory recorded against the data's."""
+    from .data.agreement import check_same_tokenizer
+    from .init_from import check_source, tokenizer_dir
+    cfg = start.cfg
+    if start.checkpoint is None and cfg.train.init_from:
+        check_source(cfg.model, Path(cfg.train.init_from))
+        theirs = tokenizer_dir(Path(cfg.train.init_from))
+        if theirs is not None:
+            check_same_tokenizer(f"train.init_from {cfg.train.init_from}", theirs, cfg.data.path, cfg.data.tokenizer)
+    out = Path(cfg.run.out_dir)
+    if start.checkpoint is not None and (out / "tokenizer.json").is_file():
+        check_same_tokenizer(f"the run directory {out}", out, cfg.data.path, cfg.data.tokenizer,
+                             remedy="resume on the data it trained on (its data.path), or start a new run.out_dir")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -179,6 +198,11 @@ def main(argv=None) -> int:
         layout = validate_layout(cfg, world, local_world_size())
     except ConfigError as e:
         report_error(f"config error: {e}", rank, world, same_on_every_rank=True)
+        return 2
+    try:
+        check_inputs(start)
+    except (DataError, HFFormatError) as e:
+        report_error(f"error: {e}", rank, world, same_on_every_rank=True)
         return 2
     except CheckpointError as e:
         report_error(f"error: {e}", rank, world, same_on_every_rank=True)

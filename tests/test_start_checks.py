@@ -1,0 +1,152 @@
+"""Inputs every rank reads later are checked before the process group, the model and the engine
+(train.check_inputs): train.init_from's headers, key set and shapes (a truncated file is one
+sentence in seconds, not after a minute of set-up), and its tokenizer against the data's (weights
+trained with one tokenizer never go on training on another's tokens)."""
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import save_file
+
+from moe_trainer import train
+from moe_trainer.config import load_config
+from moe_trainer.data import DataError, prepare
+from moe_trainer.data.tokenizer import byte_tokenizer_files
+from moe_trainer.hf import HFFormatError
+from moe_trainer.init_from import local_tensors
+from moe_trainer.models.registry import build_model
+
+from conftest import ROOT, TINY, toy_documents, train_tokenizer
+
+CONFIG = str(ROOT / "configs" / "moe_tiny.yaml")
+
+
+def start_of(out, overrides):
+    args = train.parse_args(["--config", CONFIG] + [a for o in TINY + overrides + [f"run.out_dir={out}"]
+                                                    for a in ("--set", o)])
+    return train.plan_run(args, 0)
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    """The tiny MoE's weights as a safetensors file of our names (what convert_hf.py import writes)."""
+    d = tmp_path_factory.mktemp("weights")
+    cfg = load_config(CONFIG, TINY)
+    tensors = {n: t.detach().contiguous() for n, t in local_tensors(build_model(cfg.model, seed=0)).items()}
+    save_file(tensors, str(d / "model.safetensors"))
+    return d / "model.safetensors"
+
+
+def one_sentence(e) -> str:
+    text = str(e.value)
+    assert "\n" not in text and text.endswith("."), text
+    return text
+
+
+def test_good_weights_pass_and_a_truncated_file_is_one_sentence(weights, tmp_path):
+    train.check_inputs(start_of(tmp_path / "a", [f"train.init_from={weights}"]))
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(HFFormatError) as e:
+        train.check_inputs(start_of(tmp_path / "b", [f"train.init_from={cut}"]))
+    assert str(cut) in one_sentence(e) and "not a readable safetensors file" in str(e.value)
+
+
+def test_wrong_shapes_are_named_from_the_headers(weights, tmp_path):
+    with pytest.raises(HFFormatError) as e:
+        train.check_inputs(start_of(tmp_path / "a", [f"train.init_from={weights}", "model.moe_intermediate_size=48"]))
+    assert "shape" in one_sentence(e)
+
+
+def test_the_cli_refuses_a_truncated_file_before_its_set_up(weights, tmp_path):
+    """The real entry point: exit 2 with the sentence, before the 'setting up' line (process group,
+    model, engine), in the seconds a config check takes."""
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(weights.read_bytes()[:100])
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "moe_trainer.train", "--config", CONFIG]
+                          + [a for o in TINY + [f"train.init_from={cut}", f"run.out_dir={tmp_path / 'run'}"]
+                             for a in ("--set", o)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"error: train.init_from {cut}" in proc.stderr or f"{cut} is not a readable" in proc.stderr, proc.stderr
+    assert "setting up" not in proc.stdout and time.monotonic() - t0 < 60
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    """A directory carrying a BPE tokenizer (as an export does), and a token directory prepared with it."""
+    d = tmp_path_factory.mktemp("bpe")
+    (d / "export").mkdir()
+    tok = train_tokenizer(d / "export" / "tokenizer.json")
+    docs = d / "docs.jsonl"
+    docs.write_text("\n".join(json.dumps({"text": t}) for t in toy_documents(60)))
+    prepare([str(docs)], str(d / "tokens"), str(tok), val_fraction=0.1)
+    return d
+
+
+def export_dir(bpe, weights, tmp_path, tokenizer_text=None):
+    """A weights file in a directory with the export's tokenizer (or the given tokenizer.json text)."""
+    d = tmp_path / "init"
+    d.mkdir()
+    shutil.copy(weights, d / "model.safetensors")
+    if tokenizer_text is None:
+        shutil.copy(bpe / "export" / "tokenizer.json", d / "tokenizer.json")
+    else:
+        (d / "tokenizer.json").write_text(tokenizer_text)
+    return d
+
+
+def test_init_from_with_its_tokenizer_and_no_data_says_how_to_prepare_data(bpe, weights, tmp_path):
+    """The export's tokenizer and the default byte corpus: refused, and the sentence says how to make
+    data with that tokenizer."""
+    from moe_trainer.init_from import tokenizer_dir
+    d = export_dir(bpe, weights, tmp_path)
+    start = start_of(tmp_path / "run", [f"train.init_from={d / 'model.safetensors'}"])
+    assert tokenizer_dir(d / "model.safetensors") is None  # a file carries no tokenizer; its directory does
+    from moe_trainer.data.agreement import check_same_tokenizer
+    with pytest.raises(DataError) as e:
+        check_same_tokenizer(f"train.init_from {d}", d, start.cfg.data.path)
+    text = one_sentence(e)
+    assert "no data.path is named" in text and f"prepare_data.py --tokenizer {d}" in text
+
+
+def test_a_hugging_face_directory_is_held_to_the_datas_tokenizer(bpe, tmp_path):
+    """A transformers-saved DeepSeek-V3 directory with a tokenizer.json beside it: the export's BPE
+    tokenizer with no data is refused with the sentence, the same BPE data passes the tokenizer check,
+    and the default corpus's own byte tokenizer passes with no data."""
+    from test_init_from_config import save_hf, run_config
+    from test_hf_interop import ds_config
+    hf_dir, _ = save_hf(tmp_path, ds_config(vocab_size=320))
+    shutil.copy(bpe / "export" / "tokenizer.json", hf_dir / "tokenizer.json")
+    config = run_config(tmp_path, hf_dir)
+
+    def start(out, overrides=()):
+        return train.plan_run(train.parse_args(["--config", config, "--set", f"run.out_dir={tmp_path / out}"]
+                                               + [a for o in overrides for a in ("--set", o)]), 0)
+
+    with pytest.raises(DataError) as e:
+        train.check_inputs(start("a"))
+    assert "no data.path is named" in one_sentence(e) and f"--tokenizer {hf_dir}" in str(e.value)
+    from moe_trainer.data.agreement import check_same_tokenizer
+    check_same_tokenizer(f"train.init_from {hf_dir}", hf_dir, str(bpe / "tokens"))  # its own data
+    (hf_dir / "tokenizer.json").write_text(byte_tokenizer_files()["tokenizer.json"])
+    train.check_inputs(start("b"))
+    with pytest.raises(DataError) as e:
+        check_same_tokenizer(f"train.init_from {hf_dir}", hf_dir, str(bpe / "tokens"))
+    assert f"is not the tokenizer of data.path {bpe / 'tokens'}" in one_sentence(e)
+
+
+def test_a_resume_on_data_of_another_tokenizer_is_refused(bpe, tmp_path):
+    """The run directory's tokenizer (copied at its first start) against the data it resumes on."""
+    from moe_trainer.run_dir import Start
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copy(bpe / "export" / "tokenizer.json", out / "tokenizer.json")
+    cfg = load_config(CONFIG, TINY + [f"run.out_dir={out}"])
+    with pytest.raises(DataError) as e:
+        train.check_inputs(Start(cfg, checkpoint=out / "checkpoints" / "step_2"))
+    assert f"the run directory {out}" in one_sentence(e) and "resume on the data it trained on" in str(e.value)
+    train.check_inputs(Start(cfg))  # a fresh start copies the data's tokenizer over it
