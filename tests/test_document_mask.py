@@ -22,7 +22,7 @@ from moe_trainer.models.registry import build_model
 from moe_trainer.parallel.context import apply_context_parallel, cp_shard_indices, shard_sequence
 from moe_trainer.parallel.pipeline import PipelineStage
 
-from test_context_parallel import SHAPES, TensorSizes, qkv
+from test_context_parallel import TensorSizes, qkv
 from test_tensor_parallel import assert_grads_match, spawn, start
 
 EOS, V, T = 1, 64, 24
@@ -245,6 +245,46 @@ def test_block_mask_is_made_without_a_sequence_by_sequence_tensor():
         da.document_block_mask(docs, docs, pos, pos)
     assert max(torch.Size(s).numel() for s in sizes.shapes) < t * t // 16
     assert da.kernel_for("cuda") == "flex" and da.kernel_for("cpu") == "mask"
+    # ids, positions and block mask on the meta device: nothing reads a value on the host (no sync)
+    ids = torch.randint(0, 9, (2, t), device="meta")
+    docs = document_ids(ids, EOS)
+    assert document_positions(docs).shape == (2, t)
+    pos = torch.arange(t, device="meta")
+    mask = da.document_block_mask(docs, docs, pos, pos)
+    assert mask.kv_indices.device.type == "meta" and mask.kv_num_blocks.shape == (2, 1, t // da.BLOCK)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", ["gqa", "mla"])
+def test_compiled_flex_on_cuda_equals_mask_path_without_host_sync(dtype, tol, shape):
+    """What CUDA runs (compiled FlexAttention, forward and backward) against the fp32 mask path,
+    whole sequences and a cp rank's chunks; the second call under sync debug mode "error"."""
+    t, scale = 512, 0.3
+    q, k, v = (x.detach().cuda() for x in qkv(shape, t))
+    docs = docs_of([40, 200, 100, 172], [512]).cuda()
+    dout = torch.randn(q.shape[:-1] + v.shape[-1:], device="cuda")
+    for q_chunks in (None, (1, 2)):
+        c = t // 4
+        qq = q if q_chunks is None else torch.cat([q[:, :, a * c:(a + 1) * c] for a in q_chunks], 2)
+        q_docs = docs if q_chunks is None else torch.cat([docs[:, a * c:(a + 1) * c] for a in q_chunks], 1)
+        d = dout[:, :, :qq.shape[2]]
+        truth = [x.requires_grad_() for x in (qq.clone(), k.clone(), v.clone())]
+        ref = da.document_attention(*truth, scale, q_docs, docs, q_chunks, kernel="mask")
+        ref_grads = torch.autograd.grad(ref, truth, d)
+        for attempt in range(2):
+            low = [x.detach().to(dtype).requires_grad_() for x in (qq, k, v)]
+            if attempt:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = da.document_attention(*low, scale, q_docs, docs, q_chunks)
+                grads = torch.autograd.grad(out, low, d.to(dtype))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for a, b in zip([out, *grads], [ref, *ref_grads]):
+            assert ((a.float() - b).norm() / b.norm()) < tol
 
 
 def _cp_worker(rank, world, port):
