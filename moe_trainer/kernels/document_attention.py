@@ -126,6 +126,10 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     q_pos = query_positions(q.shape[2], q_chunks, q.device)
     k_pos = torch.arange(k.shape[2], device=q.device)
     if kernel == "mask":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(q_docs, k_docs, q_pos, k_pos),
-                                              scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        dv = v.shape[-1]
+        if dv < q.shape[-1]:  # MLA: with one head size SDPA takes its fused kernel (the math one: ~2x slower)
+            v = F.pad(v, (0, q.shape[-1] - dv))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(q_docs, k_docs, q_pos, k_pos),
+                                             scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        return out[..., :dv] if out.shape[-1] != dv else out
     return flex_document_attention(q, k, v, scale, q_docs, k_docs, q_pos, k_pos, compiled=kernel == "flex")
