@@ -91,18 +91,20 @@ class ContextParallelAttention:
             self._orders[key] = cp_gather_order(seq_len, self.cp, device)
         return self._orders[key]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def gather_in_order(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, Hkv, T/cp, D) shards -> the whole sequence's (B, Hkv, T, D) in global order."""
         k, v = self.gather(k), self.gather(v)
         order = self.order(k.shape[2], k.device)
-        k, v = k.index_select(2, order), v.index_select(2, order)  # (B, Hkv, T, D) in global order
+        return k.index_select(2, order), v.index_select(2, order)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        k, v = self.gather_in_order(k, v)
         return self.kernels.chunked_causal_attention(q, k, v, scale, self.q_chunks)
 
     def with_documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                        documents: torch.Tensor) -> torch.Tensor:
         """The same kept inside documents: documents (B, T) int32, the whole window's ids in global order."""
-        k, v = self.gather(k), self.gather(v)
-        order = self.order(k.shape[2], k.device)
-        k, v = k.index_select(2, order), v.index_select(2, order)  # (B, Hkv, T, D) in global order
+        k, v = self.gather_in_order(k, v)
         q_docs = documents.index_select(1, self.shard(documents.shape[1], documents.device))  # (B, T/cp)
         return self.kernels.document_attention(q, k, v, scale, q_docs, documents, self.q_chunks)
 
