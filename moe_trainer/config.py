@@ -166,6 +166,9 @@ class DataConfig:
     path: str = ""  # tools/prepare_data.py token files or a Megatron PREFIX (.bin + .idx); empty = default corpus
     val_fraction: float = 0.02  # a Megatron prefix: the share of its last documents kept for validation
     tokenizer: str = ""  # tokenizer.json or a Hugging Face tokenizer directory: a Megatron prefix's vocabulary and EOS
+    # attention stays inside each document of a packed window (documents end at the data's end-of-text id)
+    document_mask: bool = False
+    position_reset: bool = False  # with document_mask: RoPE positions restart at 0 at each document
 
 
 @dataclass
@@ -456,6 +459,9 @@ def validate(cfg: Config) -> None:
     _require(not cfg.data.tokenizer or Path(cfg.data.tokenizer).exists(),
              f"data.tokenizer {cfg.data.tokenizer} does not exist (give a tokenizer.json or a Hugging Face "
              f"tokenizer directory).")
+    _require(cfg.data.document_mask or not cfg.data.position_reset,
+             "data.position_reset needs data.document_mask: true (positions restart at documents that attention "
+             "keeps apart); set both, or drop data.position_reset.")
     _require(t.seq_len + m.num_nextn_predict_layers <= m.max_position_embeddings or m.arch == "llama3",
              f"train.seq_len ({t.seq_len}) must not exceed model.max_position_embeddings ({m.max_position_embeddings}).")
     _require(t.global_batch_size % t.micro_batch_size == 0,

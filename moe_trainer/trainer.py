@@ -23,7 +23,8 @@ from . import checkpoint, run_dir
 from .restart import RESTART_ENV
 from .faults import Faults, ReplicaCheck, SpikeGuard, parse_faults, repair_from_owners, straggler_events
 from .config import Config, Layout, TrainConfig
-from .data import data_dir, open_data
+from .data import DataError, data_dir, open_data
+from .data.documents import document_ids, document_positions
 from .expert_load.tracker import ExpertLoadTracker
 from .hf import load_initial_weights
 from .metrics import MetricSink, StepClock, peak_memory_gb, peak_tflops, train_flops_per_token
@@ -86,6 +87,11 @@ class Trainer:
         t = cfg.train
         self.data_index, self.train_data, self.val_data = open_data(
             cfg.data.path, t.seq_len, cfg.run.seed, cfg.model.vocab_size, cfg.data.val_fraction, cfg.data.tokenizer)
+        self.eos_id = self.data_index.get("eos_id") if cfg.data.document_mask else None  # documents end there
+        if cfg.data.document_mask and self.eos_id is None:
+            raise DataError(f"data.document_mask needs the data's end-of-text id, which the index of "
+                            f"{cfg.data.path or 'the default corpus'} does not give; prepare it again with "
+                            f"tools/prepare_data.py, or set data.document_mask: false.")
         # built on the meta device; parallelism slices it and this rank materialises only its
         # stage, its experts and its TP shards (models/init.py)
         self.clock = StepClock(device)  # phase and transfer times: CUDA events on a GPU
@@ -366,9 +372,12 @@ class Trainer:
         return True
 
     def micro_batch(self, micro: int, source=None, step: Optional[int] = None):
-        """(inputs, labels, positions) of this rank's micro-batch: every tp rank of
+        """(inputs, labels, positions, documents) of this rank's micro-batch: every tp rank of
         a data-parallel rank reads the same rows; a cp rank keeps its two chunks. Training batches
-        are at sample position step + data_offset (batches a rollback skipped stay skipped)."""
+        are at sample position step + data_offset (batches a rollback skipped stay skipped).
+        documents: None, or with data.document_mask the (B, T) int32 document ids of the whole
+        window (a cp rank's attention picks its chunks' rows); data.position_reset makes the
+        positions (B, T), restarting at each document."""
         t = self.cfg.train
         if source is None and self.faults and micro == 0:
             time.sleep(self.faults.slow_delay(self.step + 1))  # slow@S:R: this rank's batch comes late
@@ -380,11 +389,16 @@ class Trainer:
             batch = batch.pin_memory().to(self.device, non_blocking=True)
         inputs, labels = batch[:, :-1], batch[:, 1:]
         positions = torch.arange(t.seq_len, device=self.device)
+        documents = None
+        if self.eos_id is not None:  # on the device, from the whole window
+            documents = document_ids(inputs, self.eos_id)
+            if self.cfg.data.position_reset:
+                positions = document_positions(documents)
         if self.layout.cp > 1:
             cp, i = self.layout.cp, self.mesh.index("cp")
             inputs, labels = shard_sequence(inputs, cp, i), shard_sequence(labels, cp, i)
-            positions = shard_sequence(positions, cp, i, dim=0)
-        return inputs, labels, positions
+            positions = shard_sequence(positions, cp, i, dim=positions.dim() - 1)
+        return inputs, labels, positions, documents
 
     def _build_executor(self) -> PipelineExecutor:
         t, m, p = self.cfg.train, self.cfg.model, self.cfg.parallel
@@ -406,9 +420,9 @@ class Trainer:
         marks = []  # per micro-batch: (start, data, forward, backward, optimizer) clock marks
         for micro in range(self.layout.grad_accum):
             ta = self.clock.mark()
-            inputs, labels, positions = self.micro_batch(micro)
+            batch = self.micro_batch(micro)  # (inputs, labels, positions, documents)
             tb = self.clock.mark()
-            out = self.engine(inputs, labels, positions)
+            out = self.engine(*batch)
             if poison:
                 out.loss, out.losses["lm"] = out.loss * float("nan"), out.losses["lm"] * float("nan")
             tc = self.clock.mark()

@@ -41,6 +41,10 @@ class Backend(Protocol):
     def chunked_causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                                  q_chunks: tuple[int, ...]) -> torch.Tensor: ...
 
+    def document_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           q_docs: torch.Tensor, k_docs: torch.Tensor,
+                           q_chunks: Optional[tuple[int, ...]] = None) -> torch.Tensor: ...
+
     def experts(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gate: Optional[torch.Tensor],
                 counts: torch.Tensor) -> torch.Tensor: ...
 

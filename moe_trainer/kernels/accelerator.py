@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .chunked_attention import chunked_causal_attention
+from .document_attention import document_attention
 
 # Rows of each expert's group start at a multiple of this in the padded layout: the alignment
 # the sm90 grouped-GEMM kernels want for bf16 group offsets (16 rows also covers fp8's 16 bytes).
@@ -133,6 +134,13 @@ class AcceleratorBackend:
         """(B, H, n*c, Dqk) queries at global chunk indices q_chunks x (B, Hkv, S, Dqk) x (B, Hkv, S, Dv)
         keys and values of the whole sequence in order -> (B, H, n*c, Dv), causal by global position."""
         return chunked_causal_attention(q, k, v, scale, q_chunks)
+
+    @staticmethod
+    def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_docs: torch.Tensor,
+                           k_docs: torch.Tensor, q_chunks: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+        """Causal attention inside documents (kernels/document_attention.py): FlexAttention with a block
+        mask from the document ids on CUDA, SDPA with a boolean mask elsewhere."""
+        return document_attention(q, k, v, scale, q_docs, k_docs, q_chunks)
 
     @staticmethod
     def experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gate: Optional[torch.Tensor],

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .accelerator import AcceleratorBackend
+from .document_attention import document_mask, query_positions
 
 
 class ReferenceBackend(AcceleratorBackend):
@@ -26,7 +27,7 @@ class ReferenceBackend(AcceleratorBackend):
 
     @staticmethod
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-        """softmax(scale q k^T, masked) v in fp32; mask (T, S) bool, True where a query may attend."""
+        """softmax(scale q k^T, masked) v in fp32; mask (T, S) or (B, 1, T, S) bool, True where a query may attend."""
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -41,6 +42,15 @@ class ReferenceBackend(AcceleratorBackend):
         c = q.shape[2] // len(q_chunks)
         q_pos = torch.cat([torch.arange(a * c, (a + 1) * c, device=q.device) for a in q_chunks])
         mask = q_pos[:, None] >= torch.arange(k.shape[2], device=q.device)[None, :]
+        return cls.attention(q, k, v, mask, scale)
+
+    @classmethod
+    def document_attention(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           q_docs: torch.Tensor, k_docs: torch.Tensor,
+                           q_chunks: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+        """The same with explicit scores under the (B, 1, T, S) mask: not later, same document."""
+        q_pos = query_positions(q.shape[2], q_chunks, q.device)
+        mask = document_mask(q_docs, k_docs, q_pos, torch.arange(k.shape[2], device=q.device))
         return cls.attention(q, k, v, mask, scale)
 
     @classmethod

@@ -47,7 +47,9 @@ class MLA(nn.Module):
         self.softmax_scale = yarn_softmax_scale(self.qk_head_dim, cfg.rope_scaling)
         self.kernels = kernels.backend()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """documents (B, T) int32: the tokens' document ids, which attention stays inside (None: causal)."""
         b, t, _ = x.shape
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(b, t, self.n_heads, self.qk_head_dim).transpose(1, 2)  # (B, H, T, Dqk)
@@ -60,7 +62,10 @@ class MLA(nn.Module):
         k_rope = apply_rope(k_rope.view(b, 1, t, self.qk_rope_head_dim), cos, sin, self.interleaved)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(b, self.n_heads, t, self.qk_rope_head_dim)], dim=-1)
-        out = self.kernels.causal_attention(q, k, v, self.softmax_scale)  # (B, H, T, Dv)
+        if documents is None:
+            out = self.kernels.causal_attention(q, k, v, self.softmax_scale)  # (B, H, T, Dv)
+        else:
+            out = self.kernels.document_attention(q, k, v, self.softmax_scale, documents, documents)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.v_head_dim))
 
 
@@ -83,8 +88,8 @@ class DecoderLayer(nn.Module):
         self.is_moe = layer_id >= cfg.first_k_dense_replace
         self.mlp = build_moe(cfg) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h, cos, sin) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+    def forward(self, h, cos, sin, documents=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, documents)
         if self.is_moe:
             out, aux = self.mlp(self.post_attention_layernorm(h))
             return h + out, aux
@@ -103,9 +108,9 @@ class MTPModule(nn.Module):
         self.block = DecoderLayer(cfg, layer_id)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h_prev, emb, cos, sin):
+    def forward(self, h_prev, emb, cos, sin, documents=None):
         h = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h_prev)], dim=-1))
-        return self.block(h, cos, sin)
+        return self.block(h, cos, sin, documents)
 
 
 class DeepseekV3(CausalLM):
@@ -119,20 +124,27 @@ class DeepseekV3(CausalLM):
         self.init_weights()
         self.tie_weights()
 
-    def mtp_loss(self, hidden: torch.Tensor, emb: torch.Tensor, labels: torch.Tensor):
+    def mtp_loss(self, hidden: torch.Tensor, emb: torch.Tensor, labels: torch.Tensor,
+                 documents: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None):
         """Mean over depths k = 1..D of the CE of predicting t_{i+k+1} at position i.
 
         hidden (B, T, d): main model's last hidden states (before the final norm);
         emb (B, T, d): the embeddings of the input tokens (a pipeline carries
         them from the first stage, so the embedding is never duplicated).
-        Depth k sees T - k positions: embeddings emb[:, k:], labels labels[:, k:].
+        Depth k sees T - k positions: embeddings emb[:, k:], labels labels[:, k:]. With document
+        ids (B, T) position i keeps its own document's id and position (positions (T,) or (B, T)):
+        where t_{i+k} lies in i's document the depth sees what it would see in that document alone.
         """
         t = emb.shape[1]
         h, total, aux = hidden, 0.0, None
         for k, module in enumerate(self.mtp.values(), start=1):
             n = t - k
-            cos, sin = self.rope(n, h.device, h.dtype)
-            h, block_aux = module(h[:, :n], emb[:, k:], cos, sin)
+            if documents is None:
+                cos, sin = self.rope(n, h.device, h.dtype)
+                h, block_aux = module(h[:, :n], emb[:, k:], cos, sin)
+            else:
+                cos, sin = self.rope(n, h.device, h.dtype, None if positions is None else positions[..., :n])
+                h, block_aux = module(h[:, :n], emb[:, k:], cos, sin, documents[:, :n])
             logits = self.lm_head(module.norm(h))
             total = total + lm_loss(logits, labels[:, k:])
             aux = add_aux(aux, block_aux)

@@ -127,7 +127,7 @@ def yarn_softmax_scale(head_dim: int, scaling: Optional[dict]) -> float:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for positions; both [T, dim] in the model dtype."""
+    """cos/sin tables for positions in the model dtype."""
 
     def __init__(self, dim: int, theta: float, scaling: Optional[dict], max_position_embeddings: int):
         super().__init__()
@@ -135,7 +135,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]  # (T, dim/2)
+        """positions (T,) or, restarting at each document, (B, T) -> cos, sin (T, dim) or (B, T, dim)."""
+        freqs = positions[..., None].float() * self.inv_freq.float()  # (T, dim/2) or (B, T, dim/2)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
@@ -146,7 +147,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate x (B, H, T, D) by cos/sin (T, D).
+    """Rotate x (B, H, T, D) by cos/sin (T, D) or (B, 1, T, D).
 
     `interleaved` rotates the pairs (x0, x1), (x2, x3), ... (DeepSeek's weight
     layout) and returns them de-interleaved (evens then odds), which leaves the
@@ -168,3 +169,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     (B, H, T, Dqk) x (B, Hkv, S, Dqk) x (B, Hkv, S, Dv) -> (B, H, T, Dv); Hkv divides H (grouped-query
     attention: each k/v head serves H / Hkv query heads); Dv may differ from Dqk (MLA)."""
     return (backend or kernels.backend()).causal_attention(q, k, v, scale)
+
+
+class DocumentAttention:
+    """(q, k, v, scale, documents) -> causal attention inside documents (data.document_mask):
+    documents (B, T) int32 are the tokens' document ids, queries and keys the same T tokens.
+    Context parallelism swaps in its own (parallel/context.py), whose keys are the whole sequence."""
+
+    def __init__(self, backend: "kernels.Backend"):
+        self.kernels = backend
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 documents: torch.Tensor) -> torch.Tensor:
+        return self.kernels.document_attention(q, k, v, scale, documents, documents)

@@ -4,12 +4,14 @@ Parameter names follow Hugging Face's LlamaForCausalLM minus the `model.` prefix
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from ..config import ModelConfig
 from .. import kernels
-from .layers import Linear, RMSNorm, SwiGLU, apply_rope
+from .layers import DocumentAttention, Linear, RMSNorm, SwiGLU, apply_rope
 from .lm import CausalLM
 
 
@@ -27,14 +29,21 @@ class GQA(nn.Module):
         # causal attention, each k/v head serving Hq/Hkv query heads:
         # (B, Hq, T, D) x (B, Hkv, T, D) x (B, Hkv, T, D) -> (B, Hq, T, D); context parallelism swaps its own in
         self.attention = kernels.backend().causal_attention
+        # the same kept inside documents when the batch carries document ids (data.document_mask)
+        self.document_attention = DocumentAttention(kernels.backend())
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attention(q, k, v, self.head_dim ** -0.5)  # (B, Hq, T, D)
+        scale = self.head_dim ** -0.5
+        if documents is None:
+            out = self.attention(q, k, v, scale)  # (B, Hq, T, D)
+        else:
+            out = self.document_attention(q, k, v, scale, documents)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -47,8 +56,8 @@ class LlamaLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h, cos, sin):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+    def forward(self, h, cos, sin, documents=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, documents)
         return h + self.mlp(self.post_attention_layernorm(h)), None
 
 

@@ -2,9 +2,11 @@
 
 embed_tokens -> layers (ModuleDict keyed by global layer id, so pipeline stages
 can drop modules while names stay checkpoint-stable) -> norm -> lm_head.
-Every decoder layer maps (h, cos, sin) -> (h, aux) where aux is the layer's
+Every decoder layer maps (h, cos, sin, documents) -> (h, aux) where aux is the layer's
 weighted auxiliary loss or None; aux losses ride along with the activations so
-a pipeline stage can carry them to the last stage as a tensor.
+a pipeline stage can carry them to the last stage as a tensor. `documents` (B, T) int32, the
+tokens' document ids in a packed window (data.document_mask), keeps attention inside documents;
+None is plain causal attention.
 """
 from __future__ import annotations
 
@@ -70,34 +72,41 @@ class CausalLM(nn.Module):
         init_in_place(self, seed, self.cfg.initializer_range)
 
     def rope(self, seq_len: int, device, dtype, positions: Optional[torch.Tensor] = None):
+        """cos, sin (T, D) for positions (T,) (default 0..T-1), or (B, 1, T, D) for per-row positions
+        (B, T) (data.position_reset: each document starts at 0)."""
         if positions is None:
             positions = torch.arange(seq_len, device=device)
-        return self.rotary(positions, dtype)
+        cos, sin = self.rotary(positions, dtype)
+        if positions.dim() == 2:  # one row of positions per sequence: broadcast over the heads
+            cos, sin = cos[:, None], sin[:, None]
+        return cos, sin
 
-    def run_layers(self, h: torch.Tensor, cos, sin):
+    def run_layers(self, h: torch.Tensor, cos, sin, documents: Optional[torch.Tensor] = None):
         aux = None
         for layer in self.layers.values():
-            h, layer_aux = layer(h, cos, sin)
+            h, layer_aux = layer(h, cos, sin, documents)
             aux = add_aux(aux, layer_aux)
         return h, aux
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                positions: Optional[torch.Tensor] = None) -> LMOutput:
+                positions: Optional[torch.Tensor] = None, documents: Optional[torch.Tensor] = None) -> LMOutput:
         h = emb = self.embed_tokens(input_ids)  # (B, T, d)
         cos, sin = self.rope(input_ids.shape[1], h.device, h.dtype, positions)
-        h, aux = self.run_layers(h, cos, sin)
+        h, aux = self.run_layers(h, cos, sin, documents)
         logits = self.lm_head(self.norm(h))
         if labels is None:
             return LMOutput(logits)
-        return self.loss(logits, labels, h, emb, aux)
+        return self.loss(logits, labels, h, emb, aux, documents, positions)
 
-    def loss(self, logits, labels, hidden, emb, aux) -> LMOutput:
+    def loss(self, logits, labels, hidden, emb, aux, documents=None, positions=None) -> LMOutput:
         """hidden: last layer's output before the final norm; emb: the token
-        embeddings of the inputs (multi-token prediction reuses them)."""
+        embeddings of the inputs (multi-token prediction reuses them, with the
+        batch's document ids and positions when it has them)."""
         main = self.loss_fn(logits, labels)
         losses = {"lm": main.detach()}
         total = main
-        mtp = self.mtp_loss(hidden, emb, labels) if hasattr(self, "mtp") and len(self.mtp) else None
+        mtp = self.mtp_loss(hidden, emb, labels, documents, positions) if hasattr(self, "mtp") and len(self.mtp) \
+            else None
         if mtp is not None:
             mtp_loss, mtp_aux = mtp
             total = total + self.cfg.mtp_loss_weight * mtp_loss

@@ -13,8 +13,13 @@ a (T/cp, T) boolean mask, is the reference the tests hold it against.
 
 What the trainer does with cp > 1 (cp_shard_indices / shard_sequence are pure):
 - inputs: `shard_sequence(x, cp, rank)` for input_ids, labels and the
-  positions `torch.arange(T)` (B-free, dim=0), then
+  positions `torch.arange(T)` (B-free, dim=0; (B, T) ones restarting at each
+  document, data.position_reset, along dim 1), then
   `model(ids, labels, positions=positions)` (RoPE uses global positions);
+- document ids (data.document_mask): every rank keeps the whole window's
+  (B, T) int32, computed from the window before it is sharded (no collective);
+  `with_documents` attends its queries' ids (the rows of its two chunks)
+  against the gathered keys' (all of them, in global order);
 - loss: each rank's loss is the mean over its T/cp tokens; the shards are
   equal-sized, so the full-sequence mean is the cp-average of the local means
   (`cp_mean_loss` for logging). Gradients need nothing extra: averaging the
@@ -86,11 +91,29 @@ class ContextParallelAttention:
             self._orders[key] = cp_gather_order(seq_len, self.cp, device)
         return self._orders[key]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def gather_in_order(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, Hkv, T/cp, D) shards -> the whole sequence's (B, Hkv, T, D) in global order."""
         k, v = self.gather(k), self.gather(v)
         order = self.order(k.shape[2], k.device)
-        k, v = k.index_select(2, order), v.index_select(2, order)  # (B, Hkv, T, D) in global order
+        return k.index_select(2, order), v.index_select(2, order)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        k, v = self.gather_in_order(k, v)
         return self.kernels.chunked_causal_attention(q, k, v, scale, self.q_chunks)
+
+    def with_documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       documents: torch.Tensor) -> torch.Tensor:
+        """The same kept inside documents: documents (B, T) int32, the whole window's ids in global order."""
+        k, v = self.gather_in_order(k, v)
+        q_docs = documents.index_select(1, self.shard(documents.shape[1], documents.device))  # (B, T/cp)
+        return self.kernels.document_attention(q, k, v, scale, q_docs, documents, self.q_chunks)
+
+    def shard(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """(T/cp,) global positions of the local queries, built once per sequence length and device."""
+        key = ("shard", seq_len, device)
+        if key not in self._orders:
+            self._orders[key] = cp_shard_indices(seq_len, self.cp, self.rank, device)
+        return self._orders[key]
 
 
 class MaskedContextParallelAttention(ContextParallelAttention):
@@ -125,6 +148,7 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, counter: Optional[CommC
     attention = ContextParallelAttention(mesh.group("cp"), cp, mesh.index("cp"), counter)
     for layer in model.layers.values():
         layer.self_attn.attention = attention
+        layer.self_attn.document_attention = attention.with_documents
     return model
 
 

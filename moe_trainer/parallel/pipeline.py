@@ -249,9 +249,11 @@ class PipelineStage(nn.Module):
         return self.last and chunk == len(self.chunks) - 1
 
     def forward(self, carried: Optional[torch.Tensor], input_ids: torch.Tensor,
-                labels: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None, chunk: int = 0):
+                labels: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+                documents: Optional[torch.Tensor] = None, chunk: int = 0):
         """The model's first chunk: input_ids -> carried. Others: carried (B, T, d or 2d) ->
-        carried, or the LMOutput on the model's last chunk. Returns (out, aux)."""
+        carried, or the LMOutput on the model's last chunk. Returns (out, aux). Every stage reads
+        the micro-batch itself, so positions and document ids reach each one with the tokens."""
         model = self._model[0]
         d = self.cfg.hidden_size
         if self.is_first(chunk):
@@ -261,14 +263,14 @@ class PipelineStage(nn.Module):
         cos, sin = model.rope(input_ids.shape[1], h.device, h.dtype, positions)
         aux = None
         for i in self.chunks[chunk]:
-            h, layer_aux = self.layers[i](h, cos, sin)
+            h, layer_aux = self.layers[i](h, cos, sin, documents)
             aux = add_aux(aux, layer_aux)
         if not self.is_last(chunk):
             return (torch.cat([h, emb], dim=-1) if self.carry_emb else h), aux
         logits = self.lm_head(self.norm(h))
         if labels is None:
             return LMOutput(logits), None
-        return model.loss(logits, labels, h, emb, aux), None
+        return model.loss(logits, labels, h, emb, aux, documents, positions), None
 
 
 def build_stage(model: nn.Module, cfg, stage: int, seq_len: int) -> PipelineStage:
@@ -433,7 +435,8 @@ class PipelineExecutor:
                 outgoing.update(run_op(op, received))
 
     def step(self, get_batch: Callable[[int], tuple]) -> StepResult:
-        """get_batch(i) -> (input_ids, labels, positions) of micro-batch i."""
+        """get_batch(i) -> (input_ids, labels, positions[, documents]) of micro-batch i; what follows
+        the labels goes to the stage as it is."""
         res = StepResult(losses={})
         saved: dict[tuple, tuple] = {}
 
@@ -467,14 +470,14 @@ class PipelineExecutor:
         self.engine.step()
 
     def _forward(self, i, c, get_batch, carried, saved, res) -> dict:
-        inputs, labels, positions = get_batch(i)
+        inputs, labels, *rest = get_batch(i)  # rest: positions, and document ids when the batch has them
         last = self.stage.is_last(c)
         if carried is not None:
             carried.requires_grad_()
         t0 = self.clock.mark()
         ctx = self.meter.hooks() if self.meter else contextlib.nullcontext()
         with ctx:
-            out, aux = self.engine(carried, inputs, labels if last else None, positions, chunk=c)
+            out, aux = self.engine(carried, inputs, labels if last else None, *rest, chunk=c)
         t1 = self.clock.mark()
         self.trace.record("forward", i, t0, t1, c)
         res.spans["forward"].append((t0, t1))
@@ -510,9 +513,9 @@ class PipelineExecutor:
 
         def run_op(op, received):
             _, i, c = op
-            inputs, labels, positions = get_batch(i)
+            inputs, labels, *rest = get_batch(i)
             last = self.stage.is_last(c)
-            out, _ = module(received.pop(("act", i, c), None), inputs, labels if last else None, positions, chunk=c)
+            out, _ = module(received.pop(("act", i, c), None), inputs, labels if last else None, *rest, chunk=c)
             if last:
                 losses["lm"] = losses.get("lm", 0.0) + out.losses["lm"].float()
                 return {}
