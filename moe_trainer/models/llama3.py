@@ -9,7 +9,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .. import kernels
-from .layers import Linear, RMSNorm, SwiGLU, apply_rope
+from .layers import Linear, RMSNorm, SwiGLU
 from .lm import CausalLM
 
 
@@ -27,13 +27,14 @@ class GQA(nn.Module):
         # causal attention, each k/v head serving Hq/Hkv query heads:
         # (B, Hq, T, D) x (B, Hkv, T, D) x (B, Hkv, T, D) -> (B, Hq, T, D); context parallelism swaps its own in
         self.attention = kernels.backend().causal_attention
+        self.rope = kernels.backend().rope
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rope(q, cos, sin, False), self.rope(k, cos, sin, False)
         out = self.attention(q, k, v, self.head_dim ** -0.5)  # (B, Hq, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
