@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_trainer import kernels
 from moe_trainer.config import load_config
-from moe_trainer.kernels.accelerator import group_ends
+from moe_trainer.kernels.accelerator import group_ends  # also registers torch.ops.moe_trainer
 from moe_trainer.models.registry import build_model, moe_layers
 from moe_trainer.moe.experts import Experts
 from moe_trainer.moe.layer import MoE
@@ -70,7 +70,8 @@ class SyncCounter(TorchDispatchMode):
 
 class GemmCounter(TorchDispatchMode):
     GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-             aten._grouped_mm.default, aten.matmul.default, aten.linear.default}
+             aten._grouped_mm.default, aten.matmul.default, aten.linear.default,
+             torch.ops.moe_trainer.grouped_mm.default}  # fp32's grouped GEMM (kernels/accelerator.py)
 
     def __init__(self):
         super().__init__()

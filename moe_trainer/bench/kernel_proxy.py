@@ -42,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import kernels
+from ..kernels import accelerator  # noqa: F401  (registers torch.ops.moe_trainer.grouped_mm)
 from ..config import load_config
 from ..models.deepseek_v3 import DecoderLayer
 from ..models.registry import ARCHS
@@ -49,7 +50,8 @@ from ..models.registry import ARCHS
 aten = torch.ops.aten
 ROOT = Path(__file__).resolve().parents[2]
 
-GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._grouped_mm.default}
+GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._grouped_mm.default,
+         torch.ops.moe_trainer.grouped_mm.default}  # the last: fp32's (kernels/accelerator.py)
 # ops that launch no kernel: allocations without a fill, and views that the flag misses
 NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
              aten.new_empty_strided.default, aten._unsafe_view.default, aten.lift_fresh.default,

@@ -39,6 +39,28 @@ def sdpa_padded_v(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return out[..., :dv] if out.shape[-1] != dv else out
 
 
+@torch.library.custom_op("moe_trainer::grouped_mm", mutates_args=())
+def _grouped_mm_any_dtype(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm for dtypes its meta kernel refuses (it takes bf16 only): an opaque op with
+    its own shape rule, so torch.compile and fake tensors (the dry run) trace fp32 experts too."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@_grouped_mm_any_dtype.register_fake
+def _(a, b, offs):
+    if a.dim() == 2 and b.dim() == 2:  # groups along the reduced dimension: one (m, n) per group
+        return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
+    return a.new_empty(a.shape[0], b.shape[-1])  # 2D x 3D: groups of rows
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm(a, b, offs=offs): itself in bf16 (what torch.compile knows and can fuse),
+    the custom op above in other dtypes (fp32 on CPU ranks, the fp32 tests)."""
+    if a.dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b, offs=offs)
+    return _grouped_mm_any_dtype(a, b, offs)
+
+
 def group_ends(counts: torch.Tensor) -> torch.Tensor:
     """(E,) int32 end row of each expert's group: the `offs` torch._grouped_mm takes. The groups sit
     back to back, unpadded: bf16 grouped GEMMs need 16-byte aligned strides, not aligned group
@@ -117,21 +139,21 @@ class GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, gate, counts):
         offs = group_ends(counts)
-        h = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)  # (M, 2H)
+        h = grouped_mm(x, w1.transpose(1, 2), offs)  # (M, 2H)
         a = swiglu_forward(*h.chunk(2, dim=-1), gate)  # (M, H)
         ctx.save_for_backward(x, w1, w2, h, a, gate, offs)
-        return torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)  # (M, d)
+        return grouped_mm(a, w2.transpose(1, 2), offs)  # (M, d)
 
     @staticmethod
     def backward(ctx, dy):
         x, w1, w2, h, a, gate, offs = ctx.saved_tensors
         need_x, need_w1, need_w2, need_gate = ctx.needs_input_grad[:4]
-        dw2 = torch._grouped_mm(dy.t(), a, offs=offs) if need_w2 else None  # (E, d, H)
-        da = torch._grouped_mm(dy, w2, offs=offs)  # (M, H)
+        dw2 = grouped_mm(dy.t(), a, offs) if need_w2 else None  # (E, d, H)
+        da = grouped_mm(dy, w2, offs)  # (M, H)
         dg, du, dgate = swiglu_backward(da, *h.chunk(2, dim=-1), gate, need_gate)
         dh = torch.cat([dg, du], dim=-1)  # (M, 2H)
-        dw1 = torch._grouped_mm(dh.t(), x, offs=offs) if need_w1 else None  # (E, 2H, d)
-        dx = torch._grouped_mm(dh, w1, offs=offs) if need_x else None
+        dw1 = grouped_mm(dh.t(), x, offs) if need_w1 else None  # (E, 2H, d)
+        dx = grouped_mm(dh, w1, offs) if need_x else None
         return dx, dw1, dw2, (dgate.to(gate.dtype) if dgate is not None else None), None
 
 
