@@ -247,7 +247,8 @@ def count(case: str, dtype: torch.dtype = torch.bfloat16, top: int = 10, as_cuda
             run().backward()
     top_ops = sorted(counter.by_op.items(), key=lambda kv: -kv[1][1])[:top]
     return {
-        "case": case, "as_cuda": as_cuda, "dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "moe_layers": moe_count,
+        "case": case, "as_cuda": as_cuda, "dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
+        "moe_layers": moe_count,
         "ops": counter.ops, "bytes_written": counter.written, "bytes_read": counter.read,
         "bytes_written_per_token": counter.written / tokens, "bytes_read_per_token": counter.read / tokens,
         "gemm": dict(counter.gemm), "sdpa": dict(counter.sdpa),
@@ -257,7 +258,8 @@ def count(case: str, dtype: torch.dtype = torch.bfloat16, top: int = 10, as_cuda
 
 def describe(r: dict) -> str:
     g, s, tok = r["gemm"], r["sdpa"], r["tokens"]
-    lines = [f"{r['case']} ({r['dtype']}{'' if r['as_cuda'] else ', CPU decompositions'}, {tok:,} tokens, {r['moe_layers']} MoE layer(s)): outside the GEMMs "
+    how = "" if r["as_cuda"] else ", CPU decompositions"
+    lines = [f"{r['case']} ({r['dtype']}{how}, {tok:,} tokens, {r['moe_layers']} MoE layer(s)): outside the GEMMs "
              f"{r['ops']:,} ops, {r['bytes_written'] / 1e9:.3f} GB written ({r['bytes_written_per_token'] / 1e6:.3f} "
              f"MB/token), {r['bytes_read'] / 1e9:.3f} GB read ({r['bytes_read_per_token'] / 1e6:.3f} MB/token)",
              f"  GEMMs: {g['calls']} calls, {g['flops'] / tok / 1e6:.1f} MFLOP/token, at least "
