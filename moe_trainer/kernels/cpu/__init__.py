@@ -30,6 +30,8 @@ class CPUBackend(AcceleratorBackend):
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return AcceleratorBackend.rms_norm(x, weight, eps)
         if extension.ops_for(x, weight) is not None:  # also requires weight in x's dtype
             return cpu_layers.FusedRMSNorm.apply(x, weight, eps)
         # fp32, cast back before the gain (Hugging Face's order), as the fused kernel computes it
@@ -37,6 +39,8 @@ class CPUBackend(AcceleratorBackend):
 
     @staticmethod
     def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        if g.device.type != "cpu":
+            return AcceleratorBackend.silu_mul(g, u)
         if g.shape == u.shape and extension.ops_for(g, u) is not None:
             return cpu_layers.SiluMul.apply(g, u)
         return F.silu(g) * u
@@ -53,6 +57,8 @@ class CPUBackend(AcceleratorBackend):
 
     @staticmethod
     def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return AcceleratorBackend.rope(x, cos, sin, interleaved)
         from ...models.layers import apply_rope  # plain torch ops, as before the accelerator's Rotary
         return apply_rope(x, cos, sin, interleaved)
 
@@ -61,8 +67,9 @@ class CPUBackend(AcceleratorBackend):
         """Explicit scores while the saved probabilities fit cpu_layers.EXPLICIT_ATTENTION_MAX_SCORES:
         on a CPU, SDPA's flash kernel reaches ~70 GFLOP/s in bf16 (and MLA's narrower value head
         sends it to the unfused math kernel), three batched GEMMs around one softmax ~10x that."""
-        if q.device.type != "cpu" or q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] > \
-                cpu_layers.EXPLICIT_ATTENTION_MAX_SCORES:
+        if q.device.type != "cpu":
+            return AcceleratorBackend.causal_attention(q, k, v, scale)
+        if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] > cpu_layers.EXPLICIT_ATTENTION_MAX_SCORES:
             return sdpa_padded_v(q, k, v, scale)
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
