@@ -102,6 +102,10 @@ class TrainConfig:
     # bf16 runs: the dtype micro-batch gradients are summed and data-parallel reduced in: fp32 (DeepSpeed's
     # BF16_Optimizer, fp32 gradients of the whole model: +4 bytes/param) | bf16 (summed in bf16 param.grad)
     grad_accum_dtype: str = "fp32"
+    # regional torch.compile of each decoder layer and of the head and loss (moe_trainer/compile.py); off
+    # by default: on CPU ranks compiling costs minutes for little, and the GPU default waits for
+    # scripts/gpu_check.sh's eager vs compiled tokens/s
+    compile: bool = False
     checkpoint_every: int = 100  # 0 = only at the end
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | none | <checkpoint path>

@@ -29,6 +29,7 @@ from .expert_load.tracker import ExpertLoadTracker
 from .hf import load_initial_weights
 from .metrics import MetricSink, StepClock, peak_memory_gb, peak_tflops, train_flops_per_token
 from .models.init import materialize
+from .compile import compile_regions
 from .models.registry import build_model
 from .noise_scale import MicroGradNorms, NoiseScale, ReducedGradNorm
 from .parallel.comm import (CommCounter, all_reduce_small, count_deepspeed_collectives, enable_shm_transport,
@@ -115,6 +116,8 @@ class Trainer:
         self.resume_from = self.find_checkpoint()
         if t.init_from and self.resume_from is None:
             load_initial_weights(self.model, t.init_from)
+        if t.compile:  # after the weights are in place, before the engine wraps the model
+            compile_regions(self.model)
         self.engine = build_engine(self.model, cfg, self.layout, mpu=DeepSpeedMPU(mesh))
         if shm:
             route_deepspeed_collectives()

@@ -2,10 +2,11 @@
 # On a machine with CUDA GPUs: the GPU tests (tests/test_gpu.py, marked `gpu`: skipped elsewhere; the
 # 2-GPU layout comparisons skip with a sentence on one GPU), then tokens/s and MFU (against the GPU's
 # datasheet bf16 peak) of the real trainer on one GPU for configs/moe_bench.yaml and
-# configs/moe_1b_gpu.yaml (~1B activated parameters, fits one 80 GB GPU). Sized for about 8 minutes on
-# one H200. Everything it writes (the tests' runs, the throughput runs and their final checkpoints,
-# ~34 GB for moe_1b_gpu) goes under one scratch directory in TMPDIR, deleted when the script ends,
-# however it ends.
+# configs/moe_1b_gpu.yaml (~1B activated parameters, fits one 80 GB GPU), the latter eager and with
+# train.compile=true, and their ratio. Sized for about 11 minutes on one H200 (not yet run there: the
+# compiled run's compile time is a guess of 1-2 minutes). Everything it writes (the tests' runs, the
+# throughput runs and their final checkpoints, ~34 GB for moe_1b_gpu) goes under one scratch directory
+# in TMPDIR, deleted when the script ends, however it ends.
 # Usage: ./scripts/gpu_check.sh [--quick]   (--quick: fewer steps per throughput run)
 source "$(dirname "$0")/_env.sh"
 install_project "[test]"
@@ -31,24 +32,39 @@ set -e
 echo "gpu_check: tests done after $((SECONDS - START)) s (pytest exit $TESTS)"
 STEPS=20; WARM=6
 if [ "${1:-}" = "--quick" ]; then STEPS=12; WARM=4; fi
-for CFG in configs/moe_bench.yaml configs/moe_1b_gpu.yaml; do
+# moe_1b_gpu runs twice, eager and with train.compile=true (regional torch.compile, moe_trainer/compile.py):
+# the two lines settle the GPU default of train.compile. The compiled run's first steps include the
+# compilation (printed apart: its step 1 time); the median skips them with the other warm-up steps.
+for RUN in configs/moe_bench.yaml:false configs/moe_1b_gpu.yaml:false configs/moe_1b_gpu.yaml:true; do
+  CFG="${RUN%%:*}"; COMPILE="${RUN##*:}"
   NAME="$(basename "$CFG" .yaml)"
+  if [ "$COMPILE" = "true" ]; then NAME="${NAME}_compiled"; fi
   # MFU against metrics.device_peak_tflops: the GPU's datasheet bf16 peak. The run ends with a
   # checkpoint (every run does), written into the scratch directory and deleted with it.
   "$VPY" -m moe_trainer.train --config "$CFG" --set "run.out_dir=$WORK/$NAME" --set train.dtype=bf16 \
     --set "train.max_steps=$STEPS" --set train.log_every=1 --set train.eval_every=0 --set train.checkpoint_every=0 \
-    --set train.resume=none > "$WORK/$NAME.log" 2>&1 || { tail -20 "$WORK/$NAME.log"; exit 1; }
+    --set train.resume=none --set "train.compile=$COMPILE" > "$WORK/$NAME.log" 2>&1 || { tail -20 "$WORK/$NAME.log"; exit 1; }
   "$VPY" - "$WORK/$NAME/metrics.jsonl" "$WARM" "$NAME" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-rows = [r for r in rows if "tokens_per_s" in r][int(sys.argv[2]):]
+rows = [r for r in rows if "tokens_per_s" in r]
+first = rows[0]["step_time_s"]
+rows = rows[int(sys.argv[2]):]
 tps = statistics.median(r["tokens_per_s"] for r in rows)
 mfu = statistics.median(r["mfu"] for r in rows)
 print(f"{sys.argv[3]}: {tps:,.0f} tokens/s, MFU {100 * mfu:.1f}% of {rows[0]['peak_tflops']:g} TFLOP/s "
       f"(median of steps {int(sys.argv[2]) + 1}-{int(sys.argv[2]) + len(rows)}; "
-      f"step {statistics.median(r['step_time_s'] for r in rows):.3f} s, peak memory {max(r['memory_gb'] for r in rows):.1f} GB)")
+      f"step {statistics.median(r['step_time_s'] for r in rows):.3f} s, first step {first:.1f} s, "
+      f"peak memory {max(r['memory_gb'] for r in rows):.1f} GB)")
+open(sys.argv[1].rsplit("/", 2)[0] + f"/{sys.argv[3]}.tokens_per_s", "w").write(f"{tps}\n")
 PY
   rm -rf "${WORK:?}/$NAME"  # its checkpoint: the next run needs the disk
 done
+"$VPY" - "$WORK" <<'PY'
+import sys
+eager, compiled = (float(open(f"{sys.argv[1]}/moe_1b_gpu{s}.tokens_per_s").read()) for s in ("", "_compiled"))
+print(f"moe_1b_gpu: compiled / eager tokens/s {compiled / eager:.2f}x (train.compile's GPU default: "
+      f"{'true' if compiled > eager else 'false'} by this run)")
+PY
 echo "gpu_check: done after $((SECONDS - START)) s"
 exit $TESTS

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_trainer import kernels
 from moe_trainer.config import load_config
-from moe_trainer.kernels.accelerator import ALIGN_ROWS, padded_layout
+from moe_trainer.kernels.accelerator import group_ends  # also registers torch.ops.moe_trainer
 from moe_trainer.models.registry import build_model, moe_layers
 from moe_trainer.moe.experts import Experts
 from moe_trainer.moe.layer import MoE
@@ -70,7 +70,8 @@ class SyncCounter(TorchDispatchMode):
 
 class GemmCounter(TorchDispatchMode):
     GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-             aten._grouped_mm.default, aten.matmul.default, aten.linear.default}
+             aten._grouped_mm.default, aten.matmul.default, aten.linear.default,
+             torch.ops.moe_trainer.grouped_mm.default}  # fp32's grouped GEMM (kernels/accelerator.py)
 
     def __init__(self):
         super().__init__()
@@ -85,12 +86,9 @@ def tiny(*extra):
     return load_config(str(ROOT / "configs/moe_tiny.yaml"), TINY + list(extra))
 
 
-def test_padded_layout_places_each_expert_on_an_aligned_start():
-    counts = torch.tensor([3, 0, 17, 1])
-    dest, offs, size = padded_layout(counts, 21, align=16)
-    assert size == 21 + 4 * 15
-    assert offs.tolist() == [16, 16, 48, 64] and offs.dtype == torch.int32
-    assert dest.tolist() == [0, 1, 2] + list(range(16, 33)) + [48]
+def test_group_ends_are_the_unpadded_running_counts():
+    ends = group_ends(torch.tensor([3, 0, 17, 1]))
+    assert ends.tolist() == [3, 3, 20, 21] and ends.dtype == torch.int32
 
 
 def _experts_grads(backend: str, dtype, counts, with_gate: bool):
@@ -235,4 +233,82 @@ def test_kernel_selector():
         kernels.resolve("fast", "cpu")
     with kernels.using("accelerator"):
         assert Experts(2, 16, 8).kernels.name == "accelerator"
-    assert ALIGN_ROWS % 8 == 0
+
+
+def _pieces_grads(backend: str, dtype, piece: str):
+    """Output and input gradients of one accelerator piece on fixed inputs, by back end."""
+    g = torch.Generator().manual_seed(0)
+    be = kernels._make(backend)
+    if piece.startswith("rope"):
+        x = torch.randn(2, 3, 8, 16, generator=g)
+        freqs = torch.randn(8, 8, generator=g)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        ins = [x.to(dtype).requires_grad_()]
+        fn = lambda x: be.rope(x, emb.cos().to(dtype), emb.sin().to(dtype), piece == "rope-interleaved")  # noqa: E731
+    elif piece == "silu_mul":
+        ins = [torch.randn(24, 16, generator=g).to(dtype).requires_grad_() for _ in range(2)]
+        fn = be.silu_mul
+    elif piece == "rms_norm":
+        ins = [torch.randn(24, 16, generator=g).to(dtype).requires_grad_(),
+               (1 + 0.1 * torch.randn(16, generator=g)).to(dtype).requires_grad_()]
+        fn = lambda x, w: be.rms_norm(x, w, 1e-6)  # noqa: E731
+    else:  # MLA's shapes: value head narrower than the query/key head
+        ins = [torch.randn(2, 3, 8, d, generator=g).to(dtype).requires_grad_() for d in (24, 24, 16)]
+        fn = lambda q, k, v: be.causal_attention(q, k, v, 0.2)  # noqa: E731
+    y = fn(*ins)
+    y.float().mul(torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    return [y.float()] + [t.grad.float() for t in ins]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("piece", ["rope", "rope-interleaved", "silu_mul", "rms_norm", "mla_attention"])
+def test_accelerator_pieces_equal_reference(piece, dtype, tol):
+    """Rotary, SiluMul, the one-op RMSNorm and SDPA with MLA's unpadded value head, outputs and
+    gradients, against the plain ops of the reference (and the CPU back end's, which keeps them)."""
+    want = _pieces_grads("reference", dtype, piece)
+    for backend in ("accelerator", "cpu"):
+        for a, b in zip(_pieces_grads(backend, dtype, piece), want):
+            torch.testing.assert_close(a, b, atol=tol * max(1.0, b.abs().max().item()), rtol=tol)
+
+
+class ShapeTrace(SyncCounter):
+    """SyncCounter that also records each op with its output shapes, to compare runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.trace: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        shapes = [tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out])
+                  if isinstance(t, torch.Tensor)]
+        self.trace.append((str(func), shapes))
+        return out
+
+
+def test_decoder_layer_is_cuda_graph_ready_at_ep1():
+    """What CUDA graph capture needs of a MoE decoder layer's forward + backward at ep 1: no op
+    that waits for the host, and every shape fixed by the input's: two batches routed very
+    differently (all tokens on the same experts vs spread) run the same ops on the same shapes."""
+    cfg = tiny("model.n_shared_experts=1")
+    with kernels.using("accelerator"):
+        model = build_model(cfg.model, seed=3)
+    layer = next(m for m in model.layers.values() if m.is_moe)
+    t = cfg.train.seq_len
+    cos, sin = model.rope(t, torch.device("cpu"), torch.float32)
+    traces, loads = [], []
+    for skew in (0.0, 50.0):
+        with torch.no_grad():  # a large bias on experts 0..3 draws every token there (selection only)
+            layer.mlp.gate.e_score_correction_bias.copy_(skew * (torch.arange(cfg.model.n_routed_experts) < 4))
+        layer.mlp.reset_counters()
+        layer.zero_grad(set_to_none=True)
+        h = torch.randn(2, t, cfg.model.hidden_size, generator=torch.Generator().manual_seed(int(skew)),
+                        requires_grad=True)
+        with ShapeTrace().counting() as rec:
+            out, _ = layer(h, cos, sin)
+            out.square().mean().backward()
+        assert rec.syncs == []
+        traces.append(rec.trace)
+        loads.append(layer.mlp.tokens_per_expert.clone())
+    assert loads[1][4:].sum() == 0 and loads[0][4:].sum() > 0  # the routing did differ
+    assert traces[0] == traces[1]

@@ -2,15 +2,19 @@
 
 - Routed experts: one `torch._grouped_mm` per expert GEMM over all local experts, the weight
   gradients included (6 grouped GEMMs per layer, forward and backward, whatever the number of
-  experts). Each expert's rows start at a multiple of ALIGN_ROWS in a padded copy whose size is
-  fixed by the input (M + E * (ALIGN_ROWS - 1) rows), so the per-expert counts never leave the
-  device: no host sync.
+  experts). The groups are the expert-sorted rows back to back (`group_ends`: bf16 grouped GEMMs
+  need aligned strides, not aligned group offsets), so there is no padded copy and the per-expert
+  counts never leave the device: no host sync.
 - Attention: `F.scaled_dot_product_attention` (flash / memory-efficient kernels on GPUs);
   grouped-query attention through `enable_gqa`; MLA's value head, narrower than its query/key
-  head, is zero-padded to the query/key size (flash attention needs equal head sizes) and the
-  output cut back. Context parallelism's attention of query chunks over the whole sequence runs
-  without a mask, by chunk pairs merged on their log-sum-exps (kernels/chunked_attention.py).
-- RMSNorm: torch's fused `F.rms_norm` in fp32, cast back before the gain (Hugging Face's order).
+  head, goes in unpadded (CUDA's cuDNN / memory-efficient kernels take two head sizes; CPU ranks
+  pad it, `sdpa_padded_v`, since the CPU flash kernel does not). Context parallelism's attention
+  of query chunks over the whole sequence runs without a mask, by chunk pairs merged on their
+  log-sum-exps (kernels/chunked_attention.py).
+- RMSNorm: one `F.rms_norm` in the compute dtype (one kernel each way on CUDA, fp32 inside).
+- SwiGLU (routed experts inside GroupedExperts, dense and shared experts as SiluMul): forward and
+  backward in the compute dtype, silu(g) recomputed in backward rather than saved.
+- RoPE: one autograd function (Rotary), 5 ops each way.
 - Sorting tokens by expert: `torch.argsort(stable=True)` and counts by `scatter_add_`
   (`torch.bincount` reads its maximum on the host).
 Nothing here branches on the device type, and every tensor it makes is on its inputs' device.
@@ -25,31 +29,103 @@ import torch.nn.functional as F
 from .chunked_attention import chunked_causal_attention
 from .document_attention import document_attention
 
-# Rows of each expert's group start at a multiple of this in the padded layout: the alignment
-# the sm90 grouped-GEMM kernels want for bf16 group offsets (16 rows also covers fp8's 16 bytes).
-ALIGN_ROWS = 16
+
+def sdpa_padded_v(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal SDPA with a narrower value head zero-padded to the query/key size and the output cut
+    back: on a CPU, SDPA's flash kernel wants one head size (else the unfused math kernel runs)."""
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - dv))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return out[..., :dv] if out.shape[-1] != dv else out
 
 
-def padded_layout(counts: torch.Tensor, rows: int, align: int = ALIGN_ROWS
-                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Where each expert-sorted row goes when every expert's group is rounded up to `align` rows.
-
-    counts (E,) int64 rows per expert (on the device), rows = counts.sum() as a host int (the
-    caller knows it from its own tensor's shape). Returns (dest (rows,) int64: the padded row of
-    each row, offs (E,) int32: each group's end in the padded layout, the padded size M +
-    E * (align - 1), a bound independent of the counts). No host sync."""
-    e = counts.numel()
-    padded = (counts + align - 1) // align * align
-    ends = padded.cumsum(0)
-    shift = (ends - padded) - (counts.cumsum(0) - counts)  # padded start - unpadded start, per expert
-    expert_of = torch.repeat_interleave(torch.arange(e, device=counts.device), counts, output_size=rows)
-    dest = torch.arange(rows, device=counts.device) + shift[expert_of]
-    return dest, ends.to(torch.int32), rows + e * (align - 1)
+@torch.library.custom_op("moe_trainer::grouped_mm", mutates_args=())
+def _grouped_mm_any_dtype(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm for dtypes its meta kernel refuses (it takes bf16 only): an opaque op with
+    its own shape rule, so torch.compile and fake tensors (the dry run) trace fp32 experts too."""
+    return torch._grouped_mm(a, b, offs=offs)
 
 
-def _swiglu(h: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    g, u = h.chunk(2, dim=-1)
-    return F.silu(g) * u * gate[:, None].to(h.dtype)
+@_grouped_mm_any_dtype.register_fake
+def _(a, b, offs):
+    if a.dim() == 2 and b.dim() == 2:  # groups along the reduced dimension: one (m, n) per group
+        return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
+    return a.new_empty(a.shape[0], b.shape[-1])  # 2D x 3D: groups of rows
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm(a, b, offs=offs): itself in bf16 (what torch.compile knows and can fuse),
+    the custom op above in other dtypes (fp32 on CPU ranks, the fp32 tests)."""
+    if a.dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b, offs=offs)
+    return _grouped_mm_any_dtype(a, b, offs)
+
+
+def group_ends(counts: torch.Tensor) -> torch.Tensor:
+    """(E,) int32 end row of each expert's group: the `offs` torch._grouped_mm takes. The groups sit
+    back to back, unpadded: bf16 grouped GEMMs need 16-byte aligned strides, not aligned group
+    offsets (only fp8 / mxfp8 scaling blocks want padded groups). On the device, no host sync."""
+    return counts.cumsum(0).to(torch.int32)
+
+
+def swiglu_forward(g: torch.Tensor, u: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+    """silu(g) * u (* gate per row) in g's dtype: (M, H), (M, H), (M,) or None -> (M, H)."""
+    a = F.silu(g) * u
+    return a * gate[:, None].to(a.dtype) if gate is not None else a
+
+
+def swiglu_backward(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor, gate: Optional[torch.Tensor],
+                    need_gate: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Gradients of swiglu_forward: (dg, du) in g's dtype and dgate (M,) fp32 (or None). silu(g)
+    is recomputed (one op) instead of saved; no fp32 temporaries (sums accumulate in fp32 inside)."""
+    silu_g = F.silu(g)
+    dgate = (da * silu_g * u).sum(-1, dtype=torch.float32) if gate is not None and need_gate else None
+    if gate is not None:
+        da = da * gate[:, None].to(da.dtype)
+    dg = torch.ops.aten.silu_backward(da * u, g)  # da * u * silu'(g) in one op after the product
+    return dg, da * silu_g, dgate
+
+
+class SiluMul(torch.autograd.Function):
+    """silu(g) * u (the dense and shared experts' SwiGLU) saving only g and u: autograd's own
+    would keep silu(g) too, one more (rows, I) activation per FFN."""
+
+    @staticmethod
+    def forward(ctx, g, u):
+        ctx.save_for_backward(g, u)
+        return swiglu_forward(g, u, None)
+
+    @staticmethod
+    def backward(ctx, da):
+        g, u = ctx.saved_tensors
+        dg, du, _ = swiglu_backward(da, g, u, None, False)
+        return dg, du
+
+
+class Rotary(torch.autograd.Function):
+    """RoPE as models/layers.apply_rope computes it, in 5 ops each way instead of autograd's ~17.
+
+    x (B, H, T, D); cos, sin (T, D) with equal halves (RotaryEmbedding's tables). Pairs are
+    (x_i, x_{i+D/2}), or (x_2i, x_2i+1) when `interleaved` (DeepSeek's layout; the output then
+    de-interleaved, evens then odds). y = [x1 c - x2 s, x2 c + x1 s]; backward rotates back."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, interleaved: bool):
+        half = cos.shape[-1] // 2
+        c, s = cos[..., :half], sin[..., :half]
+        x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+        ctx.save_for_backward(c, s)
+        ctx.interleaved = interleaved
+        return torch.cat([torch.addcmul(x1 * c, x2, s, value=-1), torch.addcmul(x2 * c, x1, s)], dim=-1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        c, s = ctx.saved_tensors
+        dy1, dy2 = dy.chunk(2, dim=-1)
+        dx1, dx2 = torch.addcmul(dy1 * c, dy2, s), torch.addcmul(dy2 * c, dy1, s, value=-1)
+        dx = torch.stack([dx1, dx2], dim=-1).flatten(-2) if ctx.interleaved else torch.cat([dx1, dx2], dim=-1)
+        return dx, None, None, None
 
 
 class GroupedExperts(torch.autograd.Function):
@@ -57,42 +133,29 @@ class GroupedExperts(torch.autograd.Function):
 
     x (M, d) sorted by expert, w1 (E, 2H, d), w2 (E, d, H), gate (M,) or None, counts (E,) int64 on
     x's device. Forward: 2 grouped GEMMs; backward: 4 (the input gradients and both weight
-    gradients, the latter as grouped GEMMs with the groups along the reduced dimension). Saves the
-    padded x, the pre-activation and the SwiGLU output. Pad rows are zero in x and in the gate, so
-    they add nothing to any weight gradient."""
+    gradients, the latter as grouped GEMMs with the groups along the reduced dimension). The groups
+    are the rows as they come (no padded copy); the SwiGLU runs in the compute dtype, forward and
+    backward. Saves x, the pre-activation h (M, 2H) and the activation a (M, H) that dW2 needs."""
 
     @staticmethod
     def forward(ctx, x, w1, w2, gate, counts):
-        m = x.shape[0]
-        dest, offs, mp = padded_layout(counts, m)
-        xp = x.new_zeros(mp, x.shape[1]).index_copy_(0, dest, x)
-        gp = torch.zeros(mp, dtype=torch.float32, device=x.device)
-        gp.index_copy_(0, dest, gate.float() if gate is not None else torch.ones(m, device=x.device))
-        h = torch._grouped_mm(xp, w1.transpose(1, 2), offs=offs)  # (Mp, 2H)
-        a = _swiglu(h, gp)  # (Mp, H), zero on pad rows
-        yp = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)  # (Mp, d)
-        ctx.save_for_backward(xp, w1, w2, h, a, gp, dest, offs)
-        ctx.has_gate, ctx.gate_dtype = gate is not None, gate.dtype if gate is not None else None
-        return yp.index_select(0, dest)
+        offs = group_ends(counts)
+        h = grouped_mm(x, w1.transpose(1, 2), offs)  # (M, 2H)
+        a = swiglu_forward(*h.chunk(2, dim=-1), gate)  # (M, H)
+        ctx.save_for_backward(x, w1, w2, h, a, gate, offs)
+        return grouped_mm(a, w2.transpose(1, 2), offs)  # (M, d)
 
     @staticmethod
     def backward(ctx, dy):
-        xp, w1, w2, h, a, gp, dest, offs = ctx.saved_tensors
+        x, w1, w2, h, a, gate, offs = ctx.saved_tensors
         need_x, need_w1, need_w2, need_gate = ctx.needs_input_grad[:4]
-        dyp = dy.new_zeros(xp.shape[0], dy.shape[1]).index_copy_(0, dest, dy)
-        dw2 = torch._grouped_mm(dyp.t(), a, offs=offs) if need_w2 else None  # (E, d, H)
-        da = torch._grouped_mm(dyp, w2, offs=offs)  # (Mp, H)
-        g, u = h.chunk(2, dim=-1)
-        sig = torch.sigmoid(g.float())
-        silu = g.float() * sig
-        dgate = None
-        if ctx.has_gate and need_gate:
-            dgate = (da.float() * silu * u.float()).sum(-1).index_select(0, dest).to(ctx.gate_dtype)
-        dag = da.float() * gp[:, None]
-        dh = torch.cat([dag * u.float() * sig * (1 + g.float() * (1 - sig)), dag * silu], dim=-1).to(h.dtype)
-        dw1 = torch._grouped_mm(dh.t(), xp, offs=offs) if need_w1 else None  # (E, 2H, d)
-        dx = torch._grouped_mm(dh, w1, offs=offs).index_select(0, dest) if need_x else None
-        return dx, dw1, dw2, dgate, None
+        dw2 = grouped_mm(dy.t(), a, offs) if need_w2 else None  # (E, d, H)
+        da = grouped_mm(dy, w2, offs)  # (M, H)
+        dg, du, dgate = swiglu_backward(da, *h.chunk(2, dim=-1), gate, need_gate)
+        dh = torch.cat([dg, du], dim=-1)  # (M, 2H)
+        dw1 = grouped_mm(dh.t(), x, offs) if need_w1 else None  # (E, 2H, d)
+        dx = grouped_mm(dh, w1, offs) if need_x else None
+        return dx, dw1, dw2, (dgate.to(gate.dtype) if dgate is not None else None), None
 
 
 class AcceleratorBackend:
@@ -102,25 +165,30 @@ class AcceleratorBackend:
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+        """One fused op in x's dtype (fp32 accumulation inside; the gain applied before the one
+        rounding, where Hugging Face rounds before the gain too: within bf16 tolerance of it)."""
+        return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
 
     @staticmethod
     def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return F.silu(g) * u
+        return SiluMul.apply(g, u)
 
     @staticmethod
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
     @staticmethod
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        return Rotary.apply(x, cos, sin, interleaved)
+
+    @staticmethod
     def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """(B, H, T, Dqk) x (B, Hkv, S, Dqk) x (B, Hkv, S, Dv) -> (B, H, T, Dv), causal."""
-        dv = v.shape[-1]
-        if dv < q.shape[-1]:  # MLA: flash attention wants one head size for q, k and v
-            v = F.pad(v, (0, q.shape[-1] - dv))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                             enable_gqa=k.shape[1] != q.shape[1])
-        return out[..., :dv] if out.shape[-1] != dv else out
+        """(B, H, T, Dqk) x (B, Hkv, S, Dqk) x (B, Hkv, S, Dv) -> (B, H, T, Dv), causal. MLA's value
+        head (Dv < Dqk) goes in as it is: SDPA then picks a kernel that takes two head sizes (cuDNN or
+        memory-efficient attention on CUDA; flash attention wants one) instead of attending over
+        zero-padded values (a pad, 1.5x the PV work and a slice copy each way)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
     @staticmethod
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -13,10 +13,14 @@ from .document_attention import document_mask, query_positions
 
 
 class ReferenceBackend(AcceleratorBackend):
-    """The accelerator path's interface with the simple version of each fast piece (the SiLU
-    product, the linear layers and top-k are plain torch ops there already, and shared)."""
+    """The accelerator path's interface with the simple version of each fast piece (the linear
+    layers and top-k are plain torch ops there already, and shared)."""
 
     name = "reference"
+
+    @staticmethod
+    def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return F.silu(g) * u
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,6 +28,11 @@ class ReferenceBackend(AcceleratorBackend):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         return weight * x.to(dtype)
+
+    @staticmethod
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        from ..models.layers import apply_rope  # the plain maths (models import kernels: import here)
+        return apply_rope(x, cos, sin, interleaved)
 
     @staticmethod
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

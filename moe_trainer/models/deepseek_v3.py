@@ -13,7 +13,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..moe.layer import MoE
 from .. import kernels
-from .layers import Linear, RMSNorm, SwiGLU, apply_rope, yarn_softmax_scale
+from .layers import Linear, RMSNorm, SwiGLU, yarn_softmax_scale
 from .lm import CausalLM, add_aux, lm_loss
 
 
@@ -58,8 +58,8 @@ class MLA(nn.Module):
         kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent))
         kv = kv.view(b, t, self.n_heads, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        q_rope = apply_rope(q_rope, cos, sin, self.interleaved)
-        k_rope = apply_rope(k_rope.view(b, 1, t, self.qk_rope_head_dim), cos, sin, self.interleaved)
+        q_rope = self.kernels.rope(q_rope, cos, sin, self.interleaved)
+        k_rope = self.kernels.rope(k_rope.view(b, 1, t, self.qk_rope_head_dim), cos, sin, self.interleaved)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(b, self.n_heads, t, self.qk_rope_head_dim)], dim=-1)
         if documents is None:

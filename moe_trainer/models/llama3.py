@@ -11,7 +11,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .. import kernels
-from .layers import DocumentAttention, Linear, RMSNorm, SwiGLU, apply_rope
+from .layers import DocumentAttention, Linear, RMSNorm, SwiGLU
 from .lm import CausalLM
 
 
@@ -31,6 +31,7 @@ class GQA(nn.Module):
         self.attention = kernels.backend().causal_attention
         # the same kept inside documents when the batch carries document ids (data.document_mask)
         self.document_attention = DocumentAttention(kernels.backend())
+        self.rope = kernels.backend().rope
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 documents: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -38,7 +39,7 @@ class GQA(nn.Module):
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rope(q, cos, sin, False), self.rope(k, cos, sin, False)
         scale = self.head_dim ** -0.5
         if documents is None:
             out = self.attention(q, k, v, scale)  # (B, Hq, T, D)

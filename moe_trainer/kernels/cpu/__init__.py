@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..accelerator import AcceleratorBackend
+from ..accelerator import AcceleratorBackend, sdpa_padded_v
 from . import experts as cpu_experts
 from . import extension
 from . import layers as cpu_layers
@@ -30,12 +30,17 @@ class CPUBackend(AcceleratorBackend):
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return AcceleratorBackend.rms_norm(x, weight, eps)
         if extension.ops_for(x, weight) is not None:  # also requires weight in x's dtype
             return cpu_layers.FusedRMSNorm.apply(x, weight, eps)
-        return AcceleratorBackend.rms_norm(x, weight, eps)
+        # fp32, cast back before the gain (Hugging Face's order), as the fused kernel computes it
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
     @staticmethod
     def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        if g.device.type != "cpu":
+            return AcceleratorBackend.silu_mul(g, u)
         if g.shape == u.shape and extension.ops_for(g, u) is not None:
             return cpu_layers.SiluMul.apply(g, u)
         return F.silu(g) * u
@@ -51,13 +56,21 @@ class CPUBackend(AcceleratorBackend):
         return F.linear(x, weight, bias)
 
     @staticmethod
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return AcceleratorBackend.rope(x, cos, sin, interleaved)
+        from ...models.layers import apply_rope  # plain torch ops, as before the accelerator's Rotary
+        return apply_rope(x, cos, sin, interleaved)
+
+    @staticmethod
     def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Explicit scores while the saved probabilities fit cpu_layers.EXPLICIT_ATTENTION_MAX_SCORES:
         on a CPU, SDPA's flash kernel reaches ~70 GFLOP/s in bf16 (and MLA's narrower value head
         sends it to the unfused math kernel), three batched GEMMs around one softmax ~10x that."""
-        if q.device.type != "cpu" or q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] > \
-                cpu_layers.EXPLICIT_ATTENTION_MAX_SCORES:
+        if q.device.type != "cpu":
             return AcceleratorBackend.causal_attention(q, k, v, scale)
+        if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] > cpu_layers.EXPLICIT_ATTENTION_MAX_SCORES:
+            return sdpa_padded_v(q, k, v, scale)
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
