@@ -95,6 +95,10 @@ def test_a_mixture_batch_is_the_same_whatever_the_data_parallel_split(data):
     assert whole.shape == (16, 33) and (np.concatenate(parts) == whole.numpy()).all()
     _, again, _ = open_mixture(cfg.data.sources, [], 32, 7, vocab, 0.1, cfg.data.tokenizer)
     assert (again.samples(40, 20) == train.samples(40, 20)).all()  # a pure function of (seed, i)
+    # data.val_sources: those sets' val splits instead of each source's own
+    _, _, held = open_mixture(cfg.data.sources, [{"path": sources[1]["path"], "name": "held"}], 32, 7, vocab, 0.1,
+                              cfg.data.tokenizer)
+    assert list(held) == ["held"] and (held["held"].samples(0, 2) == val["code"].samples(0, 2)).all()
     # epochs wrap per source: "code" (the small one) visits each of its windows once per epoch of its own
     code = train.sources[1]
     n = code.n_windows
@@ -110,7 +114,9 @@ def test_bad_sources_get_one_sentence(data):
                        ([f"data.sources={json.dumps([{'path': sources[0]['path'], 'weight': 0}])}"],
                         r"data.sources\[0\].weight must be a positive number, got 0"),
                        ([f"data.sources={json.dumps([{'path': 'x', 'weight': 1, 'share': 2}])}"],
-                        r"unknown key data.sources\[0\].share; valid keys here are: path, weight, name")):
+                        r"unknown key data.sources\[0\].share; valid keys here are: path, weight, name"),
+                       (["data.sources=[]", f"data.val_sources=[{{path: {d / 'web'}}}]"],
+                        "data.val_sources needs data.sources")):
         with pytest.raises(ConfigError, match=words):
             load_config(TINY_CONFIG, sets + bad, check_data=True)
 
