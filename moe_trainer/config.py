@@ -24,6 +24,11 @@ class ConfigError(ValueError):
     """Bad configuration: the message is a single user-facing sentence."""
 
 
+class DataVocabError(ConfigError):
+    """model.vocab_size auto could not be resolved from the config's data (which a resume may take
+    from the run directory's config.yaml instead)."""
+
+
 @dataclass
 class RunConfig:
     out_dir: str = "runs/moe_tiny"  # run directory (DESIGN.md)
@@ -173,6 +178,11 @@ class DataConfig:
     # attention stays inside each document of a packed window (documents end at the data's end-of-text id)
     document_mask: bool = False
     position_reset: bool = False  # with document_mask: RoPE positions restart at 0 at each document
+    # a weighted mixture instead of data.path: [{path, weight, name}], token directories or Megatron prefixes of
+    # one tokenizer; name defaults to the path's basename (metrics' source_samples and val_loss/<name> use it)
+    sources: list = field(default_factory=list)
+    # validation sets of a mixture, [{path, name}], each one's val split; empty = each source's own val split
+    val_sources: list = field(default_factory=list)
 
 
 @dataclass
@@ -307,12 +317,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, check_data: bool = False,
-                read_init_from: bool = False) -> Config:
+                read_init_from: bool = False, resolve_data: bool = True) -> Config:
     """Defaults <- YAML file <- `--set` overrides, then validate.
 
     `read_init_from` (a run's start, tools/plan.py): a Hugging Face directory in train.init_from
     gives the model section (resolve_init_from), so its precedence is defaults <- the directory's
-    config.json <- the file's and the overrides' model fields, which must agree with it."""
+    config.json <- the file's and the overrides' model fields, which must agree with it.
+    `resolve_data=False` leaves model.vocab_size auto unresolved (a resume's command, whose data
+    keys may be in the run directory's config.yaml only: the merge resolves it)."""
     cfg = Config()
     if path:
         p = Path(path)
@@ -331,7 +343,10 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         _apply(cfg, "", nested)
     if read_init_from:
         resolve_init_from(cfg, given_keys(path, overrides))
-    resolve_auto(cfg, check_data)
+    if resolve_data:
+        resolve_auto(cfg, check_data)
+    else:
+        resolve_sources(cfg)
     validate(cfg)
     return cfg
 
@@ -367,23 +382,58 @@ def resolve_init_from(cfg: Config, given: set[str]) -> None:
         raise ConfigError(str(e)) from None
 
 
+SOURCE_KEYS = {"data.sources": ("path", "weight", "name"), "data.val_sources": ("path", "name")}
+
+
+def resolve_sources(cfg: Config) -> None:
+    """data.sources and data.val_sources checked and completed in place: every entry gets its
+    name (the path's basename unless given), so config.yaml records the names metrics use."""
+    from .data import source_name
+    d = cfg.data
+    _require(not (d.sources and d.path), "data.path and data.sources exclude each other: give one token set as "
+             "data.path or a mixture as data.sources.")
+    _require(not d.val_sources or d.sources, "data.val_sources needs data.sources (a mixture).")
+    for key, entries in (("data.sources", d.sources), ("data.val_sources", d.val_sources)):
+        valid = SOURCE_KEYS[key]
+        names = []
+        for i, e in enumerate(entries):
+            where = f"{key}[{i}]"
+            _require(isinstance(e, dict), f"{where} must be a mapping with keys {', '.join(valid)}, got {e!r}.")
+            unknown = sorted(set(e) - set(valid))
+            if unknown:
+                raise ConfigError(f"unknown key {where}.{unknown[0]}; valid keys here are: {', '.join(valid)}.")
+            _require(isinstance(e.get("path"), str) and e["path"] != "",
+                     f"{where}.path must name a token directory or a Megatron prefix, got {e.get('path')!r}.")
+            if "weight" in valid:
+                w = e.get("weight")
+                _require(is_number(w) and 0 < w < math.inf,
+                         f"{where}.weight must be a positive number, got {w!r}.")
+            _require(e.get("name") is None or (isinstance(e["name"], str) and e["name"] != ""),
+                     f"{where}.name must be a non-empty string, got {e.get('name')!r}.")
+            e["name"] = source_name(e)
+            _require(e["name"] not in names,
+                     f"{key} names {e['name']!r} twice; give each entry its own name.")
+            names.append(e["name"])
+
+
 def resolve_auto(cfg: Config, check_data: bool = False) -> None:
     """model.vocab_size=auto -> the vocabulary of data.path (read from its index.json; 320 for
     the default corpus). Explicit values stay; `check_data` (the trainer's start) holds them
     against the data's vocabulary now, else the data checks them when it opens (a model
     built from a Hugging Face config.json has no data to ask)."""
+    resolve_sources(cfg)
     if cfg.model.vocab_size == "auto":
-        from .data import DataError, data_vocab_size
+        from .data import DataError, run_vocab_size
         try:
-            cfg.model.vocab_size = data_vocab_size(cfg.data.path, cfg.data.tokenizer)
+            cfg.model.vocab_size = run_vocab_size(cfg.data)
         except DataError as e:
-            raise ConfigError(f"model.vocab_size is auto, but {e}") from None
+            raise DataVocabError(f"model.vocab_size is auto, but {e}") from None
     elif not isinstance(cfg.model.vocab_size, int):
         raise ConfigError(f"model.vocab_size must be a positive integer or auto, got {cfg.model.vocab_size!r}.")
     elif check_data:  # an explicit value: at least the data's (when the data is there to ask)
-        from .data import DataError, data_vocab_size
+        from .data import DataError, run_vocab_size
         try:
-            need = data_vocab_size(cfg.data.path, cfg.data.tokenizer)
+            need = run_vocab_size(cfg.data)
         except DataError:
             return
         _require(cfg.model.vocab_size >= need,
@@ -405,14 +455,22 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 def given_keys(path: Optional[str], overrides: Optional[list[str]]) -> set[str]:
     """The keys a command sets itself (in its YAML file or a --set), as opposed to the defaults."""
-    keys = set()
+    return set(given_values(path, overrides))
+
+
+def given_values(path: Optional[str], overrides: Optional[list[str]]) -> dict[str, Any]:
+    """given_keys with the values as the command wrote them, before `auto` is resolved (the later
+    --set wins; a --set below a key, model.rope_scaling.factor=8, gives the key as None: written in part)."""
+    values: dict[str, Any] = {}
     if path and Path(path).is_file():
-        keys |= set(flatten(yaml.safe_load(Path(path).read_text()) or {}))
+        values.update(flatten(yaml.safe_load(Path(path).read_text()) or {}))
     for text in overrides or []:
         parts, value = parse_override(text)
-        keys |= set(flatten(value, ".".join(parts[:1]))) if len(parts) == 1 and isinstance(value, dict) \
-            else {".".join(parts[:2])}
-    return keys
+        if len(parts) == 1 and isinstance(value, dict):
+            values.update(flatten(value, parts[0]))
+        else:
+            values[".".join(parts[:2])] = value if len(parts) <= 2 else None
+    return values
 
 
 # ----------------------------------------------------------------------------- validation
@@ -429,8 +487,9 @@ def validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         _require(value in choices, f"{key} must be one of {', '.join(choices)}, got {value!r}.")
     m, t, p = cfg.model, cfg.train, cfg.parallel
+    derived = m.vocab_size == "auto"  # load_config(resolve_data=False): resolved by a resume's merge
     positive = {
-        "model.vocab_size": m.vocab_size, "model.hidden_size": m.hidden_size,
+        **({} if derived else {"model.vocab_size": m.vocab_size}), "model.hidden_size": m.hidden_size,
         "model.num_hidden_layers": m.num_hidden_layers, "model.num_attention_heads": m.num_attention_heads,
         "model.intermediate_size": m.intermediate_size, "train.seq_len": t.seq_len,
         "train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,
@@ -548,7 +607,8 @@ def _validate_llama(m: ModelConfig, p: ParallelConfig) -> None:
              f"model.num_key_value_heads ({kv}) must be divisible by parallel.tp ({p.tp}) or divide it.")
     _require(m.intermediate_size % p.tp == 0,
              f"model.intermediate_size ({m.intermediate_size}) must be divisible by parallel.tp ({p.tp}).")
-    _require(m.vocab_size % p.tp == 0, f"model.vocab_size ({m.vocab_size}) must be divisible by parallel.tp ({p.tp}).")
+    _require(m.vocab_size == "auto" or m.vocab_size % p.tp == 0,
+             f"model.vocab_size ({m.vocab_size}) must be divisible by parallel.tp ({p.tp}).")
 
 
 # Rank orders, innermost (fastest-varying) dimension first. MoE: Megatron-Core's tp-cp-ep-dp-pp, where

@@ -269,6 +269,10 @@ class MetricSink:
             for key, value in record.items():
                 if key not in ("step", "wall_time") and isinstance(value, (int, float)) and math.isfinite(value):
                     self.tb.add_scalar(tb_prefix + key.replace(".", "/"), value, step)
+                elif isinstance(value, dict):  # a map of numbers (source_samples): one scalar per entry
+                    for sub, v in value.items():
+                        if isinstance(v, (int, float)) and math.isfinite(v):
+                            self.tb.add_scalar(f"{tb_prefix}{key.replace('.', '/')}/{sub}", v, step)
             self.tb.flush()
 
     def histogram(self, tag: str, values: torch.Tensor, step: int) -> None:

@@ -10,7 +10,13 @@ from that saved config. The keys the command gives itself (in its YAML file or a
   values, unless `train.resume_allow` lists the key (or its section).
 Keys the command leaves at their defaults keep the saved values, so a forgotten
 `--set data.path=...` cannot switch a run's corpus; only PER_JOB keys (when this
-job stops, what it resumes, fault injection) are always the command's.
+job stops, what it resumes, fault injection) are always the command's. A key the
+command writes as `auto` is derived, not compared: model.vocab_size follows the
+merged data, and a change of it is explained by the data key it follows. A
+mixture is compared per source: `data.sources.<name>.weight` for a new weight,
+`data.sources.<name>` for a source added or dropped (train.resume_allow takes
+either, or `data.sources` for any). `data_fingerprint.json` records each source's
+index hash and token count; a resume on changed data is refused.
 
 Every start appends one line to `config_history.jsonl` (time, world, what it
 resumed, what changed, the MFU peak used, what it runs on, the whole config) before config.yaml
@@ -41,6 +47,7 @@ RESUMABLE = ("run.out_dir", "train.max_steps", "train.stop_at_step", "train.micr
 # keys of one job, not of the run: always the command's (set or default), never carried over from the saved config
 PER_JOB = ("train.stop_at_step", "train.resume", "train.resume_allow", "debug.")
 HISTORY = "config_history.jsonl"
+FINGERPRINTS = "data_fingerprint.json"  # {source name: {path, hash, tokens}} of the data the run trains on
 
 
 def resumable(key: str, allow: list) -> bool:
@@ -80,9 +87,10 @@ def _load_saved(path: Path) -> Config:
 def plan_start(cfg: Config, given: Optional[set] = None, warn: bool = True) -> Start:
     """This start: the checkpoint train.resume picks in run.out_dir, and the config to run with.
 
-    `given`: the keys the command set itself (config.given_keys); None counts every key as
-    given (a caller that built its Config in code). Raises ConfigError (one sentence) when a
-    resume would change what is trained."""
+    `given`: the keys the command set itself (config.given_keys), or them with the values it wrote
+    (config.given_values: a key it wrote as auto is then derived, not compared); None counts every
+    key as given (a caller that built its Config in code). Raises ConfigError (one sentence) when a
+    resume would change what is trained, or the data changed under the run (data_fingerprint.json)."""
     from .checkpoint import find_resume
     out = Path(cfg.run.out_dir)
     # the manifest and file sizes only: the ranks check the checksums of what each reads (Trainer.find_checkpoint)
@@ -94,32 +102,121 @@ def plan_start(cfg: Config, given: Optional[set] = None, warn: bool = True) -> S
         return Start(cfg, None, fresh_over=True)
     saved = _load_saved(saved_file)
     merged, changes = merge_for_resume(saved, cfg, given, saved_file)
+    check_fingerprints(merged, out / FINGERPRINTS)
     return Start(merged, checkpoint, changes, from_saved=True)
 
 
-def merge_for_resume(saved: Config, now: Config, given: Optional[set], where: Path) -> tuple[Config, dict]:
+def merge_for_resume(saved: Config, now: Config, given, where: Path) -> tuple[Config, dict]:
     """The saved config with the command's differing keys applied, and those changes; a key
-    that may not change stops the start."""
+    that may not change stops the start. A mixture's changes are judged per source
+    (data.sources.<name>.weight, data.sources.<name> for a source added or removed), and
+    model.vocab_size written as auto follows the merged data."""
     old, new = flatten(saved.to_dict()), flatten(now.to_dict())
+    asked = given if isinstance(given, dict) else {}
     keys = set(new) if given is None else set(given) | {k for k in new if _matches(k, PER_JOB)}
-    changes = {}
+    allow = now.train.resume_allow
+    changes, applied = {}, {}
     for key in sorted(keys):
         if key not in old or key not in new or old[key] == new[key]:
             continue
-        if new[key] == "auto":  # train.dtype, model.vocab_size: the saved config holds what auto resolved to
-            continue
-        if not resumable(key, now.train.resume_allow):
-            raise ConfigError(
-                f"{key} would change what the resumed run trains ({where} has {old[key]!r}, this command gives "
-                f"{new[key]!r}); drop the setting to resume with the saved value, allow the change with --set "
-                f"train.resume_allow=[{key}], or start a new run with another run.out_dir (or "
-                f"train.resume=none to start over in this one).")
-        changes[key] = (old[key], new[key])
+        if new[key] == "auto" or asked.get(key) == "auto":  # derived (train.dtype, model.vocab_size): the saved
+            continue  # config holds what auto resolved to; vocab_size is held to the merged data below
+        parts = source_changes(old[key], new[key]) if key == "data.sources" else [("", old[key], new[key])]
+        if not parts:
+            continue  # the same mixture written otherwise: the saved one stays
+        for sub, before, after in parts:
+            if not resumable(key + sub, allow):
+                raise ConfigError(refusal(key + sub, before, after, where))
+            changes[key + sub] = (before, after)
+        applied[key] = new[key]
     merged = saved.to_dict()
-    for key, (_, value) in changes.items():
+    for key, value in applied.items():
         section, name = key.split(".", 1)
         merged[section][name] = value
+    if asked.get("model.vocab_size") == "auto" and any(k.startswith("data.") for k in applied):
+        vocab = derived_vocab(saved, merged, [k for k in applied if k.startswith("data.")], allow, where)
+        if vocab is not None:
+            changes["model.vocab_size"] = (saved.model.vocab_size, vocab)
+            merged["model"]["vocab_size"] = vocab
     return config_from_dict(merged), changes
+
+
+def source_changes(old: list, new: list) -> list[tuple[str, object, object]]:
+    """A mixture's changes as (".<name>[.weight|.path]" or "", before, after), by source name; equal
+    shares written differently (8/2 and 0.8/0.2) are no change; a new order alone is the whole list's."""
+    from .data.mixture import shares
+    before, after = {e["name"]: e for e in old}, {e["name"]: e for e in new}
+    out = [(f".{n}", before.get(n), after.get(n)) for n in sorted(set(before) ^ set(after))]
+    for n in sorted(set(before) & set(after)):
+        if before[n]["path"] != after[n]["path"]:
+            out.append((f".{n}.path", before[n]["path"], after[n]["path"]))
+    if not out and [e["name"] for e in old] == [e["name"] for e in new]:
+        if shares([e["weight"] for e in old]) != shares([e["weight"] for e in new]):
+            out += [(f".{n}.weight", before[n]["weight"], after[n]["weight"])
+                    for n in after if before[n]["weight"] != after[n]["weight"]]
+        return out
+    return out or [("", old, new)]
+
+
+def refusal(key: str, before, after, where: Path) -> str:
+    if key.startswith("data.sources.") and (before is None or after is None):
+        name = key.split(".")[2]
+        what = (f"adds source {name!r} ({after['path']}) to data.sources" if before is None else
+                f"drops source {name!r} ({before['path']}) from data.sources")
+        return (f"this command {what}, which would change what the resumed run trains ({where} has "
+                f"{'no such source' if before is None else 'it'}); allow it with --set train.resume_allow=[{key}] "
+                f"(or [data.sources] for any mixture change), or start a new run with another run.out_dir.")
+    return (f"{key} would change what the resumed run trains ({where} has {before!r}, this command gives "
+            f"{after!r}); drop the setting to resume with the saved value, allow the change with --set "
+            f"train.resume_allow=[{key}], or start a new run with another run.out_dir (or "
+            f"train.resume=none to start over in this one).")
+
+
+def derived_vocab(saved: Config, merged: dict, data_keys: list, allow: list, where: Path) -> Optional[int]:
+    """model.vocab_size written as auto, after an allowed data change: the new data's vocabulary
+    (None: the saved model's still fits it). A different one changes the model: refused, naming
+    the data key it follows, unless model.vocab_size is allowed too."""
+    from .config import DataConfig
+    from .data import DataError, run_vocab_size
+    data = DataConfig(**merged["data"])
+    try:
+        vocab = run_vocab_size(data)
+    except DataError as e:
+        raise ConfigError(f"model.vocab_size is auto, but {e}") from None
+    if vocab == saved.model.vocab_size:
+        return None
+    if resumable("model.vocab_size", allow):
+        return vocab
+    keys = ", ".join(data_keys)
+    raise ConfigError(f"model.vocab_size is auto, so it follows {keys}: the data this command gives has vocabulary "
+                      f"{vocab}, the resumed run's model {saved.model.vocab_size} ({where}); resume on data of the "
+                      f"run's tokenizer, allow the new model size with --set train.resume_allow=[{keys}, "
+                      f"model.vocab_size], or start a new run with another run.out_dir.")
+
+
+def check_fingerprints(cfg: Config, recorded: Path) -> None:
+    """A resume on a token set whose index changed since the run recorded it (its hash or token count) is
+    refused, naming the source, unless train.resume_allow lists data.fingerprint.<name>. A source whose
+    path the resume changed (allowed) is new data, not changed data."""
+    if not recorded.is_file():
+        return  # a run from before fingerprints
+    from .data import DataError, run_fingerprints
+    before = json.loads(recorded.read_text())
+    try:
+        now = run_fingerprints(cfg.data)
+    except (DataError, OSError) as e:
+        raise ConfigError(f"the run's data cannot be read ({e})") from None
+    for name, fp in now.items():
+        old = before.get(name)
+        if old is None or old["path"] != fp["path"] or (old["hash"], old["tokens"]) == (fp["hash"], fp["tokens"]):
+            continue
+        key = f"data.fingerprint.{name}"
+        if not resumable(key, cfg.train.resume_allow):
+            raise ConfigError(
+                f"data source {name!r} ({fp['path'] or 'the default corpus'}) changed since the run recorded it in "
+                f"{recorded}: index hash {old['hash']} -> {fp['hash']}, {old['tokens']:,} -> {fp['tokens']:,} "
+                f"tokens; restore the data the run trained on, allow it with --set train.resume_allow=[{key}], or "
+                f"start a new run with another run.out_dir.")
 
 
 def describe(start: Start) -> list[str]:
@@ -140,14 +237,17 @@ def describe(start: Start) -> list[str]:
 
 
 def record_start(start: Start, world: int, peak: tuple[float, str], data_dir: Optional[Path]) -> None:
-    """Rank 0: append this start to config_history.jsonl, then write config.yaml, the data's tokenizer
-    files and peak_tflops.json (each file replaced atomically)."""
+    """Rank 0: append this start to config_history.jsonl (its data fingerprints too), then write
+    config.yaml, data_fingerprint.json, the data's tokenizer files and peak_tflops.json (each file
+    replaced atomically)."""
     from .checkpoint import atomic_write_text
     out = Path(start.cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    from .data import run_fingerprints
+    fingerprints = run_fingerprints(start.cfg.data)
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world": world,
              "resumed_from": str(start.checkpoint) if start.checkpoint else None,
-             "changes": {k: [old, new] for k, (old, new) in start.changes.items()},
+             "changes": {k: [old, new] for k, (old, new) in start.changes.items()}, "data": fingerprints,
              "peak_tflops": peak[0], "peak_source": peak[1], "runtime": runtime(), "config": start.cfg.to_dict()}
     saved = out / "config.yaml"
     with open(out / HISTORY, "a") as f:
@@ -159,6 +259,7 @@ def record_start(start: Start, world: int, peak: tuple[float, str], data_dir: Op
         f.flush()
         os.fsync(f.fileno())
     atomic_write_text(out / "config.yaml", start.cfg.to_yaml())
+    atomic_write_text(out / FINGERPRINTS, json.dumps(fingerprints, indent=1) + "\n")
     atomic_write_text(out / "peak_tflops.json", json.dumps({"peak_tflops": peak[0], "source": peak[1],
                                                             "dtype": start.cfg.train.dtype}, indent=1) + "\n")
     copy_tokenizer(data_dir, out)
@@ -229,6 +330,8 @@ def banner(trainer, start: Start) -> str:
     splits, tok = index["splits"], index.get("tokenizer", {})
     eos = tok.get("eos_token") or BYTE_SPECIALS.get(tok.get("eos_id"), tok.get("eos_id"))  # older indexes: an id
     data = cfg.data.path or "the default corpus (standard-library .py files as bytes)"
+    if cfg.data.sources:
+        data = "mixture " + ", ".join(f"{e['name']} {e['weight']:g} ({e['path']})" for e in cfg.data.sources)
     if trainer.resume_from is not None:  # start.checkpoint unless the ranks' checksums refused it
         source = f"resumed from {trainer.resume_from} at step {trainer.step}"
     elif t.init_from:

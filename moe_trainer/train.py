@@ -15,15 +15,20 @@ import time
 from pathlib import Path
 
 from .checkpoint import CheckpointError
-from .config import ConfigError, given_keys, load_config, validate_layout
+from .config import ConfigError, DataVocabError, given_values, load_config, validate_layout
 from .data import DataError
 from .hf import HFFormatError
+
+
+DEFAULT_CONFIG = "configs/moe_tiny.yaml"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moe_trainer.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="configs/moe_tiny.yaml", help="YAML run config (default: %(default)s)")
+    # no default here: on a resume, only a config file the command names counts as given (DEFAULT_CONFIG's
+    # values must not count as changes to the saved config.yaml)
+    ap.add_argument("--config", default=None, help=f"YAML run config (default: {DEFAULT_CONFIG})")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="typed override, e.g. --set train.max_steps=20 (repeatable)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -152,15 +157,26 @@ def plan_run(args, rank: int):
     Hugging Face directory's config.json gives the model section (the Trainer reads its weights only
     if no checkpoint is resumed)."""
     from .run_dir import plan_start
-    given = given_keys(args.config, args.overrides)
+    # what the command writes itself: a --config it names and its --sets, with their values (auto stays auto)
+    given = given_values(args.config, args.overrides)
+    config = args.config or DEFAULT_CONFIG
     start = None
     try:  # the config as the command gives it, enough to find the checkpoint
-        cfg = load_config(args.config, args.overrides, check_data=True)
+        cfg = load_config(config, args.overrides, check_data=True)
         start = plan_start(cfg, given, warn=rank == 0)
+    except DataVocabError:
+        # the command alone cannot resolve vocab_size auto, as on a resume whose data keys are the saved
+        # config.yaml's (a mixture's data.tokenizer): the merge resolves it; not a resume: decided below
+        try:
+            cfg = load_config(config, args.overrides, resolve_data=False)
+        except ConfigError:
+            cfg = None
+        start = plan_start(cfg, given, warn=rank == 0) if cfg is not None else None
+        start = start if start is not None and start.from_saved else None
     except ConfigError:
         pass  # e.g. a model section that only the init_from directory's config.json completes: decided below
     if start is None or (not start.from_saved and cfg.train.init_from):  # else the first reading stands
-        cfg = load_config(args.config, args.overrides, check_data=True, read_init_from=True)
+        cfg = load_config(config, args.overrides, check_data=True, read_init_from=True)
         start = plan_start(cfg, given, warn=start is None and rank == 0)
     # the command's, not start.cfg's (a merge keeps the saved value where the command says auto):
     # Trainer.find_checkpoint verifies by it
@@ -176,14 +192,16 @@ def check_inputs(start) -> None:
     from .data.agreement import check_same_tokenizer
     from .init_from import check_source, tokenizer_dir
     cfg = start.cfg
+    # a mixture's sources share one tokenizer (config.py checks them together): the first stands for all
+    data_path = cfg.data.path or (str(cfg.data.sources[0]["path"]) if cfg.data.sources else "")
     if start.checkpoint is None and cfg.train.init_from:
         check_source(cfg.model, Path(cfg.train.init_from))
         theirs = tokenizer_dir(Path(cfg.train.init_from))
         if theirs is not None:
-            check_same_tokenizer(f"train.init_from {cfg.train.init_from}", theirs, cfg.data.path, cfg.data.tokenizer)
+            check_same_tokenizer(f"train.init_from {cfg.train.init_from}", theirs, data_path, cfg.data.tokenizer)
     out = Path(cfg.run.out_dir)
     if start.checkpoint is not None and (out / "tokenizer.json").is_file():
-        check_same_tokenizer(f"the run directory {out}", out, cfg.data.path, cfg.data.tokenizer,
+        check_same_tokenizer(f"the run directory {out}", out, data_path, cfg.data.tokenizer,
                              remedy="resume on the data it trained on (its data.path), or start a new run.out_dir")
 
 

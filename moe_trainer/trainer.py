@@ -23,7 +23,7 @@ from . import checkpoint, run_dir
 from .restart import RESTART_ENV
 from .faults import Faults, ReplicaCheck, SpikeGuard, parse_faults, repair_from_owners, straggler_events
 from .config import Config, Layout, TrainConfig
-from .data import DataError, data_dir, open_data
+from .data import DataError, MixtureSource, open_run_data, run_data_dir
 from .data.documents import document_ids, document_positions
 from .expert_load.tracker import ExpertLoadTracker
 from .hf import load_initial_weights
@@ -86,13 +86,14 @@ class Trainer:
         self.out_dir = Path(cfg.run.out_dir)
         self.dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
         t = cfg.train
-        self.data_index, self.train_data, self.val_data = open_data(
-            cfg.data.path, t.seq_len, cfg.run.seed, cfg.model.vocab_size, cfg.data.val_fraction, cfg.data.tokenizer)
+        # val_data: {name: batches}, one per mixture source (or data.val_sources entry), or data.path's one
+        self.data_index, self.train_data, self.val_data = open_run_data(cfg.data, t.seq_len, cfg.run.seed,
+                                                                        cfg.model.vocab_size)
         self.eos_id = self.data_index.get("eos_id") if cfg.data.document_mask else None  # documents end there
         if cfg.data.document_mask and self.eos_id is None:
-            raise DataError(f"data.document_mask needs the data's end-of-text id, which the index of "
-                            f"{cfg.data.path or 'the default corpus'} does not give; prepare it again with "
-                            f"tools/prepare_data.py, or set data.document_mask: false.")
+            what = cfg.data.path or ("data.sources" if cfg.data.sources else "the default corpus")
+            raise DataError(f"data.document_mask needs the data's end-of-text id, which the index of {what} does "
+                            f"not give; prepare it again with tools/prepare_data.py, or set data.document_mask: false.")
         # built on the meta device; parallelism slices it and this rank materialises only its
         # stage, its experts and its TP shards (models/init.py)
         self.clock = StepClock(device)  # phase and transfer times: CUDA events on a GPU
@@ -196,7 +197,7 @@ class Trainer:
         if self.is_logger:
             run_dir.print_lines(run_dir.describe(self.start))
             run_dir.record_start(self.start, self.layout.world, (self.peak, self.peak_source),
-                                 data_dir(self.cfg.data.path, self.cfg.data.tokenizer))
+                                 run_data_dir(self.cfg.data))
         self.barrier()
 
     def open_sink(self) -> None:
@@ -253,10 +254,12 @@ class Trainer:
             if self.step % t.log_every == 0 or self.step == t.max_steps or record["skipped"]:
                 last = self.log(record)
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.max_steps):
-                last["val_loss"] = self.evaluate()
+                losses = self.evaluate_sources()
+                last.update(losses)
                 if self.sink:
-                    self.sink.log(self.step, {"val_loss": last["val_loss"]})
-                    print(f"step {self.step}/{t.max_steps} | val_loss {last['val_loss']:.4f}", flush=True)
+                    self.sink.log(self.step, losses)
+                    print(f"step {self.step}/{t.max_steps} | " + " | ".join(f"{k} {v:.4f}" for k, v in losses.items()),
+                          flush=True)
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.max_steps \
                     or self._stopping:
                 progress(self.step, "checkpoint")
@@ -519,15 +522,29 @@ class Trainer:
         return dict(zip(self.loss_keys, vec.tolist()))  # .tolist(): host sync, once per step
 
     # ------------------------------------------------------------------ eval and logging
+    def evaluate_sources(self) -> dict[str, float]:
+        """{"val_loss": ...} and, for a mixture, "val_loss/<name>" per validation set; val_loss is then
+        their mean weighted as the mixture draws them (plain mean over data.val_sources)."""
+        losses = {name: self.evaluate(val) for name, val in self.val_data.items()}
+        if not self.cfg.data.sources:
+            return {"val_loss": next(iter(losses.values()))}
+        weights = {e["name"]: e["weight"] for e in self.cfg.data.sources}
+        if self.cfg.data.val_sources:
+            weights = {name: 1.0 for name in losses}
+        total = sum(weights[n] for n in losses)
+        return {"val_loss": sum(weights[n] * v for n, v in losses.items()) / total,
+                **{f"val_loss/{n}": v for n, v in losses.items()}}
+
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, val=None) -> float:
+        val = val if val is not None else next(iter(self.val_data.values()))
         t = self.cfg.train
         model = self.engine.module
         model.eval()
         total = torch.zeros((), device=self.device)
         for b in range(t.eval_batches):
             def get_batch(micro: int, b=b):
-                return self.micro_batch(micro, self.val_data, b)
+                return self.micro_batch(micro, val, b)
             if self.pipelined:
                 total += self.executor.forward_only(get_batch).get("lm", 0.0)
             else:
@@ -547,6 +564,7 @@ class Trainer:
                   "mfu": tflops / self.peak, "peak_tflops": self.peak, "memory_gb": peak_memory_gb(self.device),
                   **r["times"].as_dict()}
         record["global_batch_tokens"] = tokens
+        record["source_samples"] = self.source_samples()
         if self.noise.steps:
             record.update({"noise_scale_tokens": self.noise.value, "noise.grad_sq": self.noise.grad_sq,
                            "noise.trace_sigma": self.noise.trace_sigma})
@@ -567,6 +585,14 @@ class Trainer:
             self.sink.log(self.step, record)
             self.sink.progress(self.step, record)
         return record
+
+    def source_samples(self) -> dict[str, int]:
+        """{source name: training samples drawn from it so far}: global samples [0, data position *
+        global batch), the batches a rollback skipped included (they were drawn)."""
+        drawn = (self.step + self.data_offset) * self.cfg.train.global_batch_size
+        if isinstance(self.train_data, MixtureSource):
+            return self.train_data.drawn(drawn)
+        return {next(iter(self.val_data)): drawn}
 
     def name_stragglers(self, times: StepTimes) -> None:
         """Every rank's own time this step, gathered at log steps; ranks far above the median are

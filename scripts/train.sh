@@ -9,6 +9,9 @@ RESTARTS=0
 if [ "${1:-}" = "--max-restarts" ]; then RESTARTS="${2:?--max-restarts needs a count}"; shift 2; fi
 install_project ""
 if has_gpu; then NGPU="$(nvidia-smi -L | wc -l)"; else NGPU=2; fi
-CONFIG="${CONFIG:-configs/moe_tiny.yaml}"
+# CONFIG=path names a config file; unset, the trainer's default (configs/moe_tiny.yaml) applies, and a
+# resume then counts only the --sets as changes to the run directory's config.yaml
+CONFIG_ARGS=()
+if [ -n "${CONFIG:-}" ]; then CONFIG_ARGS=(--config "$CONFIG"); fi
 exec "$VPY" -m moe_trainer.restart --max-restarts "$RESTARTS" -- \
-  "$ROOT/.venv/bin/deepspeed" --num_gpus "$NGPU" --module moe_trainer.train --config "$CONFIG" "$@"
+  "$ROOT/.venv/bin/deepspeed" --num_gpus "$NGPU" --module moe_trainer.train ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@"

@@ -3,7 +3,6 @@ itself, bounded shards, resume, malformed input, and its messages."""
 import gzip
 import importlib
 import json
-import os
 import subprocess
 import sys
 

@@ -1,5 +1,5 @@
 """What a run opens: data.path (a token directory, a Megatron prefix, or empty for the default
-corpus) as the train and validation batch sources."""
+corpus), or the weighted mixture data.sources, as the train and validation batch sources."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,6 +10,7 @@ import numpy as np
 from .default import default_corpus_dir
 from .errors import DataError
 from .formats import megatron_prefix, open_token_set, token_set_vocab
+from .mixture import fingerprint, open_mixture, source_name
 from .sampling import BatchSource
 from .tokenizer import BYTE_VOCAB_PADDED, tokenizer_file
 
@@ -39,6 +40,47 @@ def open_data(data_path: str, seq_len: int, seed: int, model_vocab: int, val_fra
     vocab = min(model_vocab, index["vocab_size"])
     return (index, BatchSource(streams["train"], seq_len, seed, vocab_size=vocab),
             BatchSource(streams["val"], seq_len, seed, shuffle=False, vocab_size=vocab))
+
+
+def run_paths(data) -> list[str]:
+    """The token sets a run's data section names: data.path (empty: the default corpus) or each data.sources path."""
+    return [str(e["path"]) for e in data.sources] if data.sources else [data.path]
+
+
+def run_vocab_size(data) -> int:
+    """data_vocab_size of a data section: a mixture's sources must agree (one tokenizer)."""
+    sizes = {p: data_vocab_size(p, data.tokenizer) for p in run_paths(data)}
+    if len(set(sizes.values())) > 1:
+        raise DataError(f"data.sources have different vocabularies ({', '.join(f'{p}: {v}' for p, v in sizes.items())}"
+                        f"); prepare every source with one tokenizer.")
+    return next(iter(sizes.values()))
+
+
+def run_data_dir(data) -> Optional[Path]:
+    """data_dir of a data section (a mixture's first source: they share one tokenizer)."""
+    return data_dir(run_paths(data)[0], data.tokenizer)
+
+
+def open_run_data(data, seq_len: int, seed: int, model_vocab: int) -> tuple[dict, object, dict]:
+    """(index, training batches, {name: validation batches}) of a config's data section: data.path
+    as one source named by its basename ("default" for the default corpus), or the mixture."""
+    if data.sources:
+        return open_mixture(data.sources, data.val_sources, seq_len, seed, model_vocab, data.val_fraction,
+                            data.tokenizer)
+    index, train, val = open_data(data.path, seq_len, seed, model_vocab, data.val_fraction, data.tokenizer)
+    return index, train, {single_name(data.path): val}
+
+
+def single_name(path: str) -> str:
+    return source_name({"path": path}) if path else "default"
+
+
+def run_fingerprints(data) -> dict[str, dict]:
+    """{source name: {path, hash, tokens}} of a data section (mixture.fingerprint of each token set)."""
+    if not data.sources:
+        path = data.path or str(default_corpus_dir(data.val_fraction))
+        return {single_name(data.path): {"path": data.path, **fingerprint(path)}}
+    return {source_name(e): {"path": str(e["path"]), **fingerprint(str(e["path"]))} for e in data.sources}
 
 
 def unigram_entropy(tokens: np.ndarray, vocab: int) -> float:

@@ -34,15 +34,16 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 class WindowOrder:
-    """A bijection of [0, n) keyed by (seed, epoch): position -> window."""
+    """A bijection of [0, n) keyed by (seed, epoch) and, for a mixture's source, its name: position -> window."""
 
-    def __init__(self, n: int, seed: int, epoch: int):
+    def __init__(self, n: int, seed: int, epoch: int, key: str = ""):
         if n < 1:
             raise ValueError(f"a window order needs at least one window, got {n}")
         self.n = n
         self.half = max(1, ((n - 1).bit_length() + 1) // 2)  # 4^half >= n
         self.mask = np.uint64((1 << self.half) - 1)
-        digest = hashlib.blake2b(f"moe_trainer.windows:{seed}:{epoch}".encode(), digest_size=8 * ROUNDS).digest()
+        label = f"moe_trainer.windows:{seed}:{epoch}" + (f":{key}" if key else "")  # no key: one data.path's order
+        digest = hashlib.blake2b(label.encode(), digest_size=8 * ROUNDS).digest()
         self.keys = np.frombuffer(digest, dtype="<u8").astype(np.uint64)  # (ROUNDS,)
 
     def _feistel(self, x: np.ndarray) -> np.ndarray:
@@ -67,8 +68,8 @@ class BatchSource:
     """Global batch `step` of `global_batch` windows, sliced for one data-parallel rank."""
 
     def __init__(self, split: TokenStream, seq_len: int, seed: int, shuffle: bool = True,
-                 vocab_size: Optional[int] = None):
-        self.stream, self.seq_len, self.seed, self.shuffle = split, seq_len, seed, shuffle
+                 vocab_size: Optional[int] = None, key: str = ""):
+        self.stream, self.seq_len, self.seed, self.shuffle, self.key = split, seq_len, seed, shuffle, key
         self.vocab_size = vocab_size
         self.n_windows = (split.num_tokens - 1) // seq_len
         if self.n_windows < 1:
@@ -79,16 +80,19 @@ class BatchSource:
 
     def order(self, epoch: int) -> WindowOrder:
         if self._order is None or self._order_epoch != epoch:
-            self._order, self._order_epoch = WindowOrder(self.n_windows, self.seed, epoch), epoch
+            self._order, self._order_epoch = WindowOrder(self.n_windows, self.seed, epoch, self.key), epoch
         return self._order
 
     def windows(self, start: int, count: int) -> np.ndarray:
         """Global samples [start, start + count) -> (count,) window indices (int64)."""
-        samples = np.arange(start, start + count, dtype=np.int64)
-        epochs, positions = np.divmod(samples, self.n_windows)
+        return self.windows_of(np.arange(start, start + count, dtype=np.int64))
+
+    def windows_of(self, samples: np.ndarray) -> np.ndarray:
+        """(m,) sample numbers of this source -> (m,) window indices (int64)."""
+        epochs, positions = np.divmod(np.asarray(samples, dtype=np.int64), self.n_windows)
         if not self.shuffle:
             return positions
-        out = np.empty(count, dtype=np.int64)
+        out = np.empty(len(positions), dtype=np.int64)
         for epoch in np.unique(epochs).tolist():  # host numpy: one or two epochs in a batch
             sel = epochs == epoch
             out[sel] = self.order(epoch)(positions[sel])
@@ -99,8 +103,12 @@ class BatchSource:
 
     def samples(self, start: int, count: int):
         """Windows for global samples [start, start + count) -> (count, seq_len + 1) int64 tensor."""
+        return self.samples_at(np.arange(start, start + count, dtype=np.int64))
+
+    def samples_at(self, samples: np.ndarray):
+        """(m,) sample numbers of this source (a mixture's, in any order) -> (m, seq_len + 1) int64 tensor."""
         import torch  # here, not at the top: prepare_data's workers import this package and never need torch
-        windows = self.windows(start, count)
+        windows = self.windows_of(samples)
         rows = np.stack([self.stream.read(int(w) * self.seq_len, self.seq_len + 1) for w in windows])
         if self.vocab_size is not None:  # host numpy, before the device: ids past the checked head
             top = rows.max(axis=1)
