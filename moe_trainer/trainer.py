@@ -7,6 +7,7 @@ update from globally summed counts (expert_load/tracker.py) -> metrics -> eval -
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -26,7 +27,7 @@ from .config import Config, Layout, TrainConfig
 from .data import data_dir, open_data
 from .expert_load.tracker import ExpertLoadTracker
 from .hf import load_initial_weights
-from .metrics import MetricSink, StepClock, peak_memory_gb, peak_tflops, train_flops_per_token
+from .metrics import Interval, MetricSink, StepClock, peak_memory_gb, peak_tflops, train_flops_per_token
 from .models.init import materialize
 from .models.registry import build_model
 from .noise_scale import MicroGradNorms, NoiseScale, ReducedGradNorm
@@ -43,6 +44,10 @@ from .parallel.zero import build_engine, set_lr
 
 class TrainingHalted(RuntimeError):
     """Training stopped by policy (e.g. repeated non-finite losses): one sentence, exit 3."""
+
+
+class NothingLeft(Exception):
+    """The run already reached train.max_steps: one sentence, exit 0."""
 
 
 def get_lr(step: int, t: TrainConfig) -> float:
@@ -79,6 +84,7 @@ class Trainer:
         """`start`: what moe_trainer.train decided before the process group (the checkpoint to
         resume, the config's changes); None decides it here (find_checkpoint), counting every key as given."""
         self.cfg, self.mesh, self.device, self.start = cfg, mesh, device, start
+        planned = start is not None  # a training start (moe_trainer.train), not a tool's (reshard, dry run)
         self.layout: Layout = mesh.layout
         self.is_logger = mesh.rank == 0
         self.out_dir = Path(cfg.run.out_dir)
@@ -107,6 +113,8 @@ class Trainer:
         # whole Hugging Face checkpoint, which may be gone by then); init_from is read when no
         # checkpoint is usable, auto-resume's fallback past damaged ones included
         self.resume_from = self.find_checkpoint()
+        if planned and self.resume_from is not None and checkpoint.step_of(self.resume_from) >= t.max_steps:
+            raise NothingLeft(run_dir.finished_sentence(cfg, self.resume_from))  # before the engine is built
         if t.init_from and self.resume_from is None:
             load_initial_weights(self.model, t.init_from)
         self.engine = build_engine(self.model, cfg, self.layout, mpu=DeepSpeedMPU(mesh))
@@ -142,6 +150,7 @@ class Trainer:
         self.rolled_back_to: Optional[int] = None  # the checkpoint step of the last rollback
         self.data_offset = 0  # batches skipped by rollbacks: step s trains on sample position s + offset
         self.sink_steps = 0  # steps this process has logged
+        self.interval = Interval()  # the steps since the last log step: their figures are logged as means
 
     # ------------------------------------------------------------------ setup
     def _enable_shm_collectives(self) -> None:
@@ -175,7 +184,7 @@ class Trainer:
         found = checkpoint.find_resume(self.out_dir, resume, warn=self.is_logger,
                                        files_read=lambda path: checkpoint.files_to_read(path, self.model,
                                                                                         self.mesh.rank),
-                                       any_rank=self.any_rank)
+                                       any_rank=self.any_rank, warned=self.start.warned)
         if found != self.start.checkpoint:  # the checksums refused plan_start's pick: the run directory's
             self.start.checkpoint = found   # history and the console say what this start really resumes
             self.start.fresh_over = found is None and (self.out_dir / "config.yaml").is_file()
@@ -185,6 +194,7 @@ class Trainer:
         """Rank 0 records the start (config_history.jsonl, config.yaml, the tokenizer, the MFU peak)
         and says what it decided."""
         if self.is_logger:
+            run_dir.set_aside_records(self.start)
             run_dir.print_lines(run_dir.describe(self.start))
             run_dir.record_start(self.start, self.layout.world, (self.peak, self.peak_source),
                                  data_dir(self.cfg.data.path, self.cfg.data.tokenizer))
@@ -234,6 +244,7 @@ class Trainer:
             progress(self.step + 1, "forward, backward and optimizer")
             record = self.train_step()
             self.step += 1
+            self.interval.add(self.step_figures(record))
             progress(self.step, "losses, logging and evaluation")
             if self.faults:
                 self.flip_bit()
@@ -251,7 +262,7 @@ class Trainer:
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.max_steps \
                     or self._stopping:
                 progress(self.step, "checkpoint")
-                checkpoint.save(self)
+                self.save_checkpoint()
         if self.pipelined and self.trace.enabled:
             self.write_pipeline_trace()
         if self.sink:
@@ -260,6 +271,16 @@ class Trainer:
             print(f"stopped by SIGTERM after step {self.step}; checkpoint written, resume with train.resume=auto",
                   flush=True)
         return last
+
+    def save_checkpoint(self) -> None:
+        """checkpoint.save (collective), and one console line from rank 0: step, path, size, seconds."""
+        started = time.perf_counter()
+        path = checkpoint.save(self)
+        if path is not None:
+            files = json.loads((path / checkpoint.MANIFEST).read_text())["files"]
+            size = sum(f["bytes"] for f in files.values())
+            print(f"checkpoint step {self.step}: {path} ({size / 1e6:,.1f} MB in {len(files)} files, "
+                  f"{time.perf_counter() - started:.1f} s)", flush=True)
 
     # ------------------------------------------------------------------ failures
     def _on_sigterm(self, signum, frame) -> None:
@@ -288,7 +309,7 @@ class Trainer:
                   f"({self._nan_skips} in a row, train.max_nan_skips={limit})", file=sys.stderr, flush=True)
         if self._nan_skips > limit:
             self.step -= self._nan_skips  # the weights are those after the last good step
-            checkpoint.save(self)
+            self.save_checkpoint()
             raise TrainingHalted(f"stopped at step {self.step + self._nan_skips}: {self._nan_skips} non-finite "
                                  f"losses in a row (train.max_nan_skips={limit}); the last good state is "
                                  f"checkpoint step_{self.step}.")
@@ -519,16 +540,28 @@ class Trainer:
         model.train()
         return self.reduce_losses({"lm": total / (t.eval_batches * self.layout.grad_accum)})["lm"]
 
+    def step_figures(self, r: dict) -> dict:
+        """The step's time and its split (what Interval averages between log steps)."""
+        seconds = r["comm"].get("seconds", {})
+        # the split's share of the dispatch/combine all-to-alls (forward and backward)
+        a2a = sum(s for k, s in seconds.items() if k.startswith(("dispatch", "combine")))
+        return {"step_time_s": r["step_time"], **r["times"].as_dict(), "time.all_to_all_s": a2a}
+
     def log(self, r: dict) -> dict:
+        """The log step's record: throughput, MFU and the step-time split as means over the steps
+        since the last log step (`interval_steps` of them), this step's own time beside them."""
         t = self.cfg.train
         tokens = t.global_batch_size * t.seq_len
-        tflops = self.flops_per_token * tokens / self.layout.world / r["step_time"] / 1e12
-        record = {"loss": r["losses"]["lm"], "skipped": int(r["skipped"]), **{f"loss_{k}": v for k, v in r["losses"].items() if k != "lm"},
+        steps, means = self.interval.take()  # this step included: the loop adds every step before it logs
+        step_time = means["step_time_s"]
+        tflops = self.flops_per_token * tokens / self.layout.world / step_time / 1e12
+        record = {"loss": r["losses"]["lm"], "skipped": int(r["skipped"]),
+                  **{f"loss_{k}": v for k, v in r["losses"].items() if k != "lm"},
                   "lr": get_lr(self.step - 1, t), "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
-                  "tokens_per_s": tokens / r["step_time"], "tokens_per_s_per_rank": tokens / r["step_time"] /
-                  self.layout.world, "step_time_s": r["step_time"], "tflops_per_rank": tflops,
-                  "mfu": tflops / self.peak, "peak_tflops": self.peak, "memory_gb": peak_memory_gb(self.device),
-                  **r["times"].as_dict()}
+                  "tokens_per_s": tokens / step_time, "tokens_per_s_per_rank": tokens / step_time / self.layout.world,
+                  "tflops_per_rank": tflops, "mfu": tflops / self.peak, "peak_tflops": self.peak,
+                  "memory_gb": peak_memory_gb(self.device), **means, "interval_steps": steps,
+                  "step_time_last_s": r["step_time"], "tokens_per_s_last": tokens / r["step_time"]}
         record["global_batch_tokens"] = tokens
         if self.noise.steps:
             record.update({"noise_scale_tokens": self.noise.value, "noise.grad_sq": self.noise.grad_sq,
@@ -538,25 +571,26 @@ class Trainer:
         for kind, sent in r["comm"]["sent"].items():  # this rank's bytes in the last step
             record[f"comm.{kind}_sent_bytes"] = sent
             record[f"comm.{kind}_received_bytes"] = r["comm"]["received"][kind]
-        seconds = r["comm"].get("seconds", {})
-        for kind, s in seconds.items():
+        for kind, s in r["comm"].get("seconds", {}).items():  # this rank's seconds in the last step
             record[f"comm.{kind}_s"] = s
-        # the step split: time inside the dispatch/combine all-to-alls (forward and backward)
-        record["time.all_to_all_s"] = sum(s for k, s in seconds.items() if k.startswith(("dispatch", "combine")))
         if self.layout.world > 1 and self.sink_steps > 0:  # a process's first step pays its one-time costs
-            self.name_stragglers(r["times"])
+            self.name_stragglers(r)
         self.sink_steps += 1
         if self.sink:
             self.sink.log(self.step, record)
             self.sink.progress(self.step, record)
         return record
 
-    def name_stragglers(self, times: StepTimes) -> None:
-        """Every rank's own time this step, gathered at log steps; ranks far above the median are
-        named. Loading its batches and its forward passes: the backward is left out because ZeRO's
-        bucketed gradient reduction runs inside it, where every rank waits for the slowest (at ep > 1
-        the forward's all-to-alls wait likewise, so a straggler's EP peers look slow too)."""
-        mine = torch.tensor([times.data + times.forward], device=self.device)
+    def name_stragglers(self, r: dict) -> None:
+        """Every rank's own compute time this step, gathered at log steps; ranks far above the median
+        are named. Its own: loading its batches and its forward passes, less the time it spent inside
+        the forward's collectives (the expert all-to-alls), where a rank waits for its slowest peer,
+        so that at ep > 1 a straggler's EP peers do not look slow too. The backward is left out: ZeRO's
+        bucketed gradient reduction runs inside it, where every rank waits for the slowest."""
+        times = r["times"]
+        waits = sum(s for kind, s in r["comm"].get("seconds", {}).items()
+                    if not kind.endswith("_grad") and not kind.startswith("pp_"))
+        mine = torch.tensor([max(times.data + times.forward - waits, 0.0)], device=self.device)
         every = torch.empty(self.layout.world, device=self.device)
         dist.all_gather_into_tensor(every, mine)
         if not self.is_logger:
