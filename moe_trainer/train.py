@@ -159,13 +159,22 @@ def never_joined_line(error: str, waited_s: float, timeout_s: float) -> str:
     others = [r for r in range(world) if r not in mine]
     joined = re.search(r"(\d+)/(\d+) clients joined", error)
     count = f"{joined[1]} of {joined[2]} ranks joined; " if joined else ""
-    where = (f"ranks {others[0]}-{others[-1]} (not on this node, which started ranks {mine[0]}-{mine[-1]})"
-             if others else f"some of ranks {mine[0]}-{mine[-1]}")
-    node = os.environ.get("CROSS_RANK") or os.environ.get("GROUP_RANK")
-    return (f"the process group did not form after {waited_s:.0f} s (parallel.timeout_s={timeout_s:g}): "
-            f"{count}{where} never joined the rendezvous at {os.environ.get('MASTER_ADDR')}:"
-            f"{os.environ.get('MASTER_PORT')}{f' from node {node}' if node else ''}; start every node's "
-            f"launcher (deepspeed --node_rank N, or torchrun per node) with the same master address and port.")
+    node = os.environ.get("CROSS_RANK") or os.environ.get("GROUP_RANK")  # DeepSpeed's launcher, torchrun
+    here = f"{f'node {node}' if node else 'this node'} started {_span(list(mine))}"
+    missing = f"{_span(others)}, outside this node," if others else f"some of {_span(list(mine))}"
+    return (f"the process group did not form after {waited_s:.0f} s (parallel.timeout_s={timeout_s:g}): {count}"
+            f"{missing} never joined the rendezvous at {os.environ.get('MASTER_ADDR')}:"
+            f"{os.environ.get('MASTER_PORT')} ({here}); start every node's launcher (deepspeed --node_rank N, "
+            f"or torchrun per node) with the same master address and port.")
+
+
+def _span(ranks: list[int]) -> str:
+    """"rank 3", "ranks 4-7" (a contiguous block) or "ranks 1, 5"."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
 
 
 # what gloo's own waits raise as a plain RuntimeError (work.wait() past the group's timeout, a peer gone)

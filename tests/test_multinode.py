@@ -1,6 +1,7 @@
 """DeepSpeed's multi-node launch, on this one machine: a hostfile of two "nodes" (localhost and
 127.0.0.1, one rank each) and one launcher per node with --no_ssh --node_rank 0|1, as a cluster's
 scheduler starts them. Same losses as one node with the same ranks, and it resumes."""
+import re
 import subprocess
 from pathlib import Path
 
@@ -9,7 +10,8 @@ from conftest import ROOT, TINY, VENV_BIN, check, env, free_port, launch, read_m
 BASE = TINY + ["train.max_steps=4", "train.checkpoint_every=2", "train.resume=auto"]
 
 
-def launch_two_nodes(out: Path, overrides: list[str], tmp: Path) -> list[subprocess.CompletedProcess]:
+def launch_two_nodes(out: Path, overrides: list[str], tmp: Path, nodes=(0, 1)) -> list[subprocess.CompletedProcess]:
+    """The launchers of the hostfile's nodes `nodes` (a node left out never starts)."""
     hosts = tmp / "hostfile"
     hosts.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     port = free_port()
@@ -17,7 +19,7 @@ def launch_two_nodes(out: Path, overrides: list[str], tmp: Path) -> list[subproc
     nodes = [subprocess.Popen([str(VENV_BIN / "deepspeed"), "--hostfile", str(hosts), "--no_ssh", "--node_rank",
                                str(r), "--master_addr", "127.0.0.1", "--master_port", str(port), "--module",
                                "moe_trainer.train", *args], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+                              stderr=subprocess.PIPE, text=True) for r in nodes]
     done = []
     for p in nodes:
         stdout, stderr = p.communicate(timeout=300)
@@ -38,3 +40,17 @@ def test_two_nodes_equal_one_node_and_resume(tmp_path):
     assert train_losses(two) == train_losses(one)
     starts = [r for r in read_metrics(two) if "loss" in r]
     assert [r["step"] for r in starts] == [1, 2, 3, 4]
+
+
+def test_errors_reach_every_node_and_a_node_never_started_is_named(tmp_path):
+    """A config error is in each node's launcher output, not only rank 0's; with node 1's launcher
+    never started, node 0 says which rank never joined and after how long, not a failed collective."""
+    bad = launch_two_nodes(tmp_path / "bad", BASE + ["train.lr=-1"], tmp_path)
+    for node, proc in enumerate(bad):
+        assert proc.returncode == 2 and "config error: train.lr must be >= 0" in proc.stderr, (node, proc.stderr)
+    [alone] = launch_two_nodes(tmp_path / "alone", BASE + ["parallel.timeout_s=8"], tmp_path, nodes=(0,))
+    said = re.search(r"the process group did not form after (\d+) s \(parallel.timeout_s=8\): 1 of 2 ranks joined; "
+                     r"rank 1, outside this node, never joined", alone.stderr)
+    assert alone.returncode == 4 and said, alone.stderr
+    assert 8 <= int(said[1]) <= 8 + 10  # the rendezvous' own wait, as the rank timed it
+    assert "collective" not in alone.stderr
