@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from . import checkpoint, run_dir
 from .restart import RESTART_ENV
-from .faults import Faults, ReplicaCheck, SpikeGuard, parse_faults, repair_from_owners, straggler_events
+from .faults import (Faults, ReplicaCheck, SpikeGuard, owner_drift, owner_partitions, parse_faults, repair_from_owners,
+                     straggler_events)
 from .config import Config, Layout, TrainConfig
 from .data import data_dir, open_data
 from .expert_load.tracker import ExpertLoadTracker
@@ -146,6 +147,8 @@ class Trainer:
                        if cfg.debug.faults else None)
         self.replicas = ReplicaCheck(self.engine.module, mesh, t.replica_check_every)
         self.replicas = self.replicas if self.replicas.sets and t.replica_check_every else None
+        self.owners = owner_partitions(self.engine) if self.replicas else None  # (fp32 master, model slice)
+        self.last_checked: Optional[int] = None  # the newest step whose state passed the replica check
         self.spikes = SpikeGuard() if t.spike_guard else None
         self.rolled_back_to: Optional[int] = None  # the checkpoint step of the last rollback
         self.data_offset = 0  # batches skipped by rollbacks: step s trains on sample position s + offset
@@ -316,21 +319,36 @@ class Trainer:
 
     # ------------------------------------------------------------------ faults that do not kill
     def flip_bit(self) -> None:
-        """bitflip@S:R, right after step S's update."""
+        """bitflip@S:R and bitflip_master@S:R, right after step S's update."""
         name = self.faults.after_update(self.step, self.engine.module)
         if name is not None:
             print(f"fault injected: rank {self.mesh.rank}: one bit flipped in {name} after step {self.step}",
                   file=sys.stderr, flush=True)
+        if self.faults.after_update_master(self.step, self.engine) is not None:
+            print(f"fault injected: rank {self.mesh.rank}: one bit flipped in its ZeRO-1 fp32 master partition "
+                  f"after step {self.step}", file=sys.stderr, flush=True)
 
     def check_replicas(self) -> None:
-        """Before this step's forward: do the replicas agree? If any does not, every rank's weights
-        are gathered again from the ZeRO-1 owners' partitions, and the ranks whose copy changed are
-        named. Collective; one host sync."""
-        flag = self.replicas.mismatched().to(torch.float32).reshape(1)
+        """Before this step's forward: do the replicas agree, and does every ZeRO-1 owner's fp32
+        partition still match the model copy it wrote? A replica that differs is repaired from the
+        owners' partitions (and the ranks whose copy changed are named); an owner's partition that
+        differs while every replica agrees is the corrupt copy, with nothing to repair it from: the
+        run rolls back. Collective; one host sync (a single fault at a time: a replica that differs
+        in the owner's own slice explains that owner's drift too, so the repair comes first)."""
+        flags = torch.stack([self.replicas.mismatched(), owner_drift(self.owners)]).to(torch.float32)
         if self.layout.world > 1:
-            all_reduce_small(flag, op="max")
-        if flag.item() == 0:  # host sync, once per check
-            return
+            all_reduce_small(flags, op="max")
+        replica_bad, owner_bad = flags.tolist()  # host sync, once per check
+        if replica_bad:
+            self.repair_replicas()
+        elif owner_bad:
+            self.roll_back_corrupt_owner()
+        else:
+            self.last_checked = self.step
+
+    def repair_replicas(self) -> None:
+        """Every rank's weights gathered again from the owners' partitions; the ranks whose copy
+        changed are named. Collective."""
         before = self.replicas.local_sums()
         repair_from_owners(self.engine)
         changed = self.replicas.changed(before)
@@ -345,6 +363,36 @@ class Trainer:
                   f"repaired from the ZeRO-1 owners' partitions", file=sys.stderr, flush=True)
             if self.sink:
                 self.sink.log(self.step, event)
+
+    def roll_back_corrupt_owner(self) -> None:
+        """An owner's fp32 partition differs from the weights every replica holds: back to the newest
+        checkpoint at or before the last step that passed the check (the state after it was written
+        is the one that check saw), the same batches replayed. Collective."""
+        mine = bool(owner_drift(self.owners).item())  # host sync, on this rare path only
+        reports = [None] * self.layout.world
+        dist.all_gather_object(reports, mine)
+        ranks = [r for r, bad in enumerate(reports) if bad]
+        found_at = self.step
+        reason = (f"the ZeRO-1 fp32 master partition of rank(s) {ranks} differs from the weights every replica "
+                  f"holds (found before step {found_at + 1})")
+        at_most = self.last_checked if self.last_checked is not None else found_at - 1
+        found = checkpoint.find_resume(self.out_dir, "auto", warn=self.is_logger, at_most=at_most,
+                                       files_read=lambda path: checkpoint.files_to_read(path, self.model,
+                                                                                        self.mesh.rank),
+                                       any_rank=self.any_rank)
+        if found is None:
+            raise TrainingHalted(f"stopped before step {found_at + 1}: {reason}, and no checkpoint from step "
+                                 f"{at_most} or before is there to roll back to.")
+        self.step = checkpoint.load(found, self)  # the batches after it are trained again, not skipped
+        if self.spikes:
+            self.spikes.reset()
+        event = {"event": "rollback", "to": self.step, "skipped_steps": [], "ranks": ranks,
+                 "cause": "owner_partition", "reason": reason}
+        if self.is_logger:
+            print(f"{reason}; rolled back to {found}, training steps {self.step + 1}-{found_at} again",
+                  file=sys.stderr, flush=True)
+            if self.sink:
+                self.sink.log(found_at, event, tb_prefix="events/rollback/")
 
     def guard_spike(self, record: dict) -> bool:
         """A loss or gradient-norm spike (the same on every rank: both are reduced) rolls the run
