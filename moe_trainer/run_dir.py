@@ -197,6 +197,39 @@ def record_start(start: Start, world: int, peak: tuple[float, str], data_dir: Op
     copy_tokenizer(data_dir, out)
 
 
+def check_shared(out: Path, rank: int, world: int, device) -> None:
+    """Every rank sees the run directory rank 0 writes (every rank writes its own checkpoint part into
+    a directory rank 0 makes, and reads faults.jsonl and the checkpoints back): rank 0 leaves a
+    marker named by a token it broadcasts, and each rank looks for it. A rank on a node whose
+    run.out_dir is its own local directory is named in one sentence (ConfigError) at start, not by
+    a missing file at the first checkpoint. Collective."""
+    import secrets
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    if world == 1:
+        return
+    token = torch.tensor([secrets.randbits(62) if rank == 0 else 0], dtype=torch.int64, device=device)
+    dist.broadcast(token, 0)
+    mark = Path(out) / f".shared-{int(token.item()):x}"  # host sync, once per start
+    if rank == 0:
+        mark.write_text(socket.gethostname())
+    dist.barrier()
+    seen = [None] * world
+    dist.all_gather_object(seen, (mark.is_file(), socket.gethostname()))
+    dist.barrier()  # every rank has looked
+    if rank == 0:
+        mark.unlink(missing_ok=True)
+    blind = [(r, host) for r, (found, host) in enumerate(seen) if not found]
+    if blind:
+        ranks = ", ".join(str(r) for r, _ in blind[:16]) + (f" and {len(blind) - 16} more" if len(blind) > 16 else "")
+        hosts = ", ".join(sorted({h for _, h in blind})[:4])
+        raise ConfigError(f"run.out_dir {os.path.abspath(out)} is not one directory for every rank: rank(s) {ranks} "
+                          f"(on {hosts}) do not see what rank 0 wrote there; every rank writes its checkpoint part "
+                          f"into it, so put it on storage every node shares.")
+
+
 def runtime() -> dict:
     """What this start runs on, as rank 0 sees it (the history's `runtime`: the GPU checks read it):
     the device, the process group's back end, the kernel back end and what DS_ACCELERATOR asked for."""
@@ -321,5 +354,5 @@ def print_lines(lines: list[str], stream=sys.stdout) -> None:
 
 
 __all__ = ["RESUMABLE", "HISTORY", "Start", "plan_start", "nothing_left", "finished_sentence", "merge_for_resume",
-           "record_start", "set_aside_records", "banner",
+           "record_start", "set_aside_records", "check_shared", "banner",
            "parameter_counts", "copy_tokenizer", "describe", "resumable", "runtime"]

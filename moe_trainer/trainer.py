@@ -201,7 +201,8 @@ class Trainer:
             run_dir.print_lines(run_dir.describe(self.start))
             run_dir.record_start(self.start, self.layout.world, (self.peak, self.peak_source),
                                  data_dir(self.cfg.data.path, self.cfg.data.tokenizer))
-        self.barrier()
+        if dist.is_initialized() and self.layout.world > 1:  # its barriers: rank 0's records are written
+            run_dir.check_shared(self.out_dir, self.mesh.rank, self.layout.world, self.device)
 
     def open_sink(self) -> None:
         """After resuming: metrics past the resumed step (from the interrupted run) are dropped. A job

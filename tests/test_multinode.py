@@ -54,3 +54,35 @@ def test_errors_reach_every_node_and_a_node_never_started_is_named(tmp_path):
     assert alone.returncode == 4 and said, alone.stderr
     assert 8 <= int(said[1]) <= 8 + 10  # the rendezvous' own wait, as the rank timed it
     assert "collective" not in alone.stderr
+
+
+def _check_run_dirs(rank, world, port, dirs, results):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from moe_trainer.config import ConfigError
+    from moe_trainer.run_dir import check_shared
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    said = []
+    for shared in (True, False):  # one directory for both ranks; then each its own, as on two nodes' local disks
+        out = Path(dirs[0] if shared else dirs[rank])
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            check_shared(out, rank, world, torch.device("cpu"))
+            said.append(None)
+        except ConfigError as e:
+            said.append(str(e))
+    results[rank] = said
+    dist.destroy_process_group()
+
+
+def test_a_run_directory_that_is_not_shared_by_every_rank_is_named_at_start(tmp_path):
+    from conftest import spawn_ranks
+    said = spawn_ranks(_check_run_dirs, 2, [str(tmp_path / "a"), str(tmp_path / "b")])
+    for rank in (0, 1):
+        assert said[rank][0] is None  # the shared directory passes, and its marker is gone
+        assert "is not one directory for every rank: rank(s) 1 (on " in said[rank][1]
+    assert list((tmp_path / "a").iterdir()) == [] and list((tmp_path / "b").iterdir()) == []
