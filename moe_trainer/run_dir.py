@@ -197,6 +197,9 @@ def record_start(start: Start, world: int, peak: tuple[float, str], data_dir: Op
     copy_tokenizer(data_dir, out)
 
 
+SHARED_PATIENCE_S = 5.0  # how long a rank looks for rank 0's marker before it says it cannot see it
+
+
 def check_shared(out: Path, rank: int, world: int, device) -> None:
     """Every rank sees the run directory rank 0 writes (every rank writes its own checkpoint part into
     a directory rank 0 makes, and reads faults.jsonl and the checkpoints back): rank 0 leaves a
@@ -216,8 +219,12 @@ def check_shared(out: Path, rank: int, world: int, device) -> None:
     if rank == 0:
         mark.write_text(socket.gethostname())
     dist.barrier()
+    found, patience = mark.is_file(), time.time() + SHARED_PATIENCE_S
+    while not found and time.time() < patience:  # a network filesystem may show a new file late
+        time.sleep(0.2)
+        found = mark.is_file()
     seen = [None] * world
-    dist.all_gather_object(seen, (mark.is_file(), socket.gethostname()))
+    dist.all_gather_object(seen, (found, socket.gethostname()))
     dist.barrier()  # every rank has looked
     if rank == 0:
         mark.unlink(missing_ok=True)
