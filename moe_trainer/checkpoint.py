@@ -264,10 +264,11 @@ def step_of(path: Path) -> int:
 
 def find_resume(out_dir: Path, resume: str, warn: bool = True,
                 files_read: Optional[Callable[[Path], Iterable[str]]] = None,
-                any_rank: Callable[[bool], bool] = lambda bad: bad, at_most: Optional[int] = None) -> Optional[Path]:
+                any_rank: Callable[[bool], bool] = lambda bad: bad, at_most: Optional[int] = None,
+                warned: Optional[set] = None) -> Optional[Path]:
     """train.resume: none -> None; a path -> that checkpoint (must be valid);
     auto -> the newest complete checkpoint (of step `at_most` or before, if given), skipping broken
-    ones with a warning.
+    ones with a warning (once: not for the paths in `warned`, to which the warned ones are added).
     `files_read(path)`: the files this rank will read (their checksums are checked here, by this
     rank); `any_rank` makes every rank agree (a checkpoint is refused if any rank finds a fault)."""
     if resume == "none":
@@ -295,8 +296,10 @@ def find_resume(out_dir: Path, resume: str, warn: bool = True,
         problem = problem_of(path)
         if problem is None:
             return path
-        if warn:
+        if warn and (warned is None or path not in warned):
             print(f"warning: skipping checkpoint {path}: {problem}", file=sys.stderr, flush=True)
+        if warned is not None:
+            warned.add(path)
     return None
 
 

@@ -7,7 +7,11 @@
 - Silent data corruption: ReplicaCheck compares an exact checksum of every parameter across the
   ranks that should hold the same copy (dense weights over dp x cp, experts over their
   expert-data-parallel group), one small all-gather per check, and repairs a copy that differs by
-  gathering the weights again from the ZeRO-1 owners' fp32 partitions.
+  gathering the weights again from the ZeRO-1 owners' fp32 partitions. The owners' partitions have
+  no replica under ZeRO-1; what is observable is that between a step's end and the next step's
+  update each owner's fp32 partition, rounded to the model's dtype, is bit for bit its own slice of
+  the model copy (owner_drift). A partition that differs while every replica agrees is the corrupt
+  one: the trainer rolls back to the last good checkpoint.
 - Loss spikes: SpikeGuard flags a loss or gradient norm far above its recent history; the trainer
   rolls back to the last checkpoint before the spike and skips the batches that led into it
   (PaLM's remedy).
@@ -30,11 +34,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-KINDS = ("bitflip", "spike", "hang", "slow", "kill", "nan")
-NEEDS_RANK = ("bitflip", "hang", "slow", "kill")  # what one rank suffers; spike and nan are the whole step's
+KINDS = ("bitflip", "bitflip_master", "spike", "hang", "slow", "kill", "nan")
+# what one rank suffers; spike and nan are the whole step's
+NEEDS_RANK = ("bitflip", "bitflip_master", "hang", "slow", "kill")
 SPIKE_LR_FACTOR = 1000.0
 SLOW_SECONDS = 0.3
-_SPEC = re.compile(r"^(?P<kind>[a-z]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
+_SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
 
 
 class FaultSpecError(ValueError):
@@ -145,6 +150,18 @@ class Faults:
         return name
 
 
+    def after_update_master(self, step: int, engine) -> Optional[int]:
+        """bitflip_master@S:R: after step S's update, the highest exponent bit of the first element
+        of rank R's fp32 master partition (the ZeRO-1 owner's copy, of the first param group)
+        flipped. Returns the element count of that partition."""
+        if not self._take("bitflip_master", step):
+            return None
+        master, _ = owner_partitions(engine)[0]
+        with torch.no_grad():
+            master.data.view(-1).view(torch.int32)[0] ^= 1 << 30
+        return master.numel()
+
+
 # ----------------------------------------------------------------------------- replica check
 
 def checksums(params: list[torch.Tensor]) -> torch.Tensor:
@@ -196,6 +213,28 @@ class ReplicaCheck:
         for (_, _, names, _), old, new in zip(self.sets, before, self.local_sums()):
             out += [names[i] for i in (old != new).nonzero().flatten().tolist()]
         return out
+
+
+def owner_partitions(engine) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(fp32 master partition, this rank's slice of the flat model copy) per optimizer param group:
+    DeepSpeedZeroOptimizer's and BF16_Optimizer's names for the same two tensors."""
+    from .parallel.zero import fp32_partitions, uses_bf16_optimizer
+    opt = engine.optimizer
+    copies = opt.bf16_partitioned_groups if uses_bf16_optimizer(engine) else opt.parallel_partitioned_bit16_groups
+    return [(master, copies[i][dist.get_rank(group=opt.real_dp_process_group[i])])
+            for i, master in enumerate(fp32_partitions(engine))]
+
+
+def owner_drift(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """A () int64 on the device: 1 where an owner's fp32 partition, rounded to the model's dtype (what
+    the step's end copies into the model), differs in any bit from its slice of the model copy. No
+    collective; one pass over this rank's partitions."""
+    ints = {4: torch.int32, 2: torch.int16}
+    flag = torch.zeros((), dtype=torch.int64, device=pairs[0][0].device if pairs else None)
+    for master, copy in pairs:
+        rounded = master.detach().to(copy.dtype).view(ints[copy.element_size()])
+        flag = torch.maximum(flag, (rounded != copy.detach().view(ints[copy.element_size()])).any().to(torch.int64))
+    return flag
 
 
 def repair_from_owners(engine) -> None:

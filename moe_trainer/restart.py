@@ -7,27 +7,65 @@ the newest complete checkpoint), up to K more times. Not restarted: success (exi
 (exit 2: the same command would fail the same way) and a stop by policy (exit 3: repeated non-finite
 losses or loss spikes, which need a person). Each restart is recorded by the trainer as a
 `{"event": "restart"}` row of metrics.jsonl (it reads RESTART_ENV at start).
+
+When the command runs moe_trainer.train (`--module moe_trainer.train`), the wrapper first plans
+the start its ranks would make: a run that already reached train.max_steps says so and exits 0
+before any launcher starts. DeepSpeed's INFO lines (the launcher's and the ranks', on stdout) go to
+RUN_DIR/deepspeed.log; its warnings and everything else stay on the console.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Optional
 
 RESTART_ENV = "MOE_TRAINER_RESTART"  # "<attempt>:<previous exit code>", set for restarted attempts
 NOT_RESTARTED = {0: "finished", 2: "bad input", 3: "stopped by policy"}
+# DeepSpeed's logger format: "[2026-12-03 06:18:36,440] [INFO] [launch.py:152:main] ..."
+DEEPSPEED_INFO = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,.]+\] \[(INFO|DEBUG)\] ")
+DEEPSPEED_LOG = "deepspeed.log"
 
 
-def run_with_restarts(cmd: list[str], max_restarts: int, log=print) -> int:
+def trainer_args(cmd: list[str]) -> Optional[list[str]]:
+    """The trainer's arguments in a launcher command (what follows `--module moe_trainer.train` or
+    `-m moe_trainer.train`), None if the command runs something else."""
+    for i in range(1, len(cmd)):
+        if cmd[i] == "moe_trainer.train" and cmd[i - 1] in ("--module", "-m"):
+            return cmd[i + 1:]
+    return None
+
+
+def run_filtered(cmd: list[str], env: dict, info_log: Optional[Path]) -> int:
+    """Run the command; with `info_log`, the DeepSpeed INFO lines of its stdout are appended
+    there instead of the console (every other line passes at once, in order)."""
+    if info_log is None:
+        return subprocess.call(cmd, env=env)
+    info_log.parent.mkdir(parents=True, exist_ok=True)
+    with open(info_log, "a") as sink, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True,
+                                                       errors="replace", bufsize=1) as proc:
+        for line in proc.stdout:
+            if DEEPSPEED_INFO.match(line):
+                sink.write(line)
+                sink.flush()
+            else:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+        return proc.wait()
+
+
+def run_with_restarts(cmd: list[str], max_restarts: int, log=print, info_log: Optional[Path] = None) -> int:
     """The command's exit code, after up to `max_restarts` restarts of a failed run."""
     env = dict(os.environ)
     env.pop(RESTART_ENV, None)
     attempt = 0
     while True:
         started = time.time()
-        code = subprocess.call(cmd, env=env)
+        code = run_filtered(cmd, env, info_log)
         if code in NOT_RESTARTED or attempt >= max_restarts:
             if code not in NOT_RESTARTED:
                 log(f"restart: the job failed (exit {code}) and the {max_restarts} restart(s) of --max-restarts "
@@ -50,7 +88,22 @@ def main(argv=None) -> int:
         ap.error("give the launcher command after --")
     if args.max_restarts < 0:
         ap.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    return run_with_restarts(cmd, args.max_restarts, log=lambda m: print(m, file=sys.stderr, flush=True))
+    info_log = None
+    if trainer_args(cmd) is not None:
+        from . import run_dir
+        from .train import keep_build_cache_per_environment, plan_command
+        keep_build_cache_per_environment()  # the launcher's ranks inherit it
+        start = plan_command(trainer_args(cmd))
+        if start is not None:
+            done = run_dir.nothing_left(start)
+            if done:
+                print(done, flush=True)
+                return 0
+            info_log = Path(start.cfg.run.out_dir) / DEEPSPEED_LOG
+        print(f"starting {Path(cmd[0]).name}: the ranks set up the process group, the model and the engine "
+              f"before the first step{f'; DeepSpeed INFO lines go to {info_log}' if info_log else ''}", flush=True)
+    return run_with_restarts(cmd, args.max_restarts, log=lambda m: print(m, file=sys.stderr, flush=True),
+                             info_log=info_log)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,8 @@ class Start:
     fresh_over: bool = False  # a fresh start in a directory that held a run's config
     from_saved: bool = False  # a resume that continues the run directory's config.yaml
     resume: str = "auto"  # the command's train.resume (auto: a damaged newest checkpoint falls back)
+    warned: set = field(default_factory=set)  # checkpoints already named in a skip warning
+    set_aside: Optional[Path] = None  # where a start from step 0 moved the directory's earlier records
 
 
 def _load_saved(path: Path) -> Config:
@@ -93,17 +95,18 @@ def plan_start(cfg: Config, given: Optional[set] = None, warn: bool = True) -> S
     resume would change what is trained, or the data changed under the run (data_fingerprint.json)."""
     from .checkpoint import find_resume
     out = Path(cfg.run.out_dir)
+    warned = set()
     # the manifest and file sizes only: the ranks check the checksums of what each reads (Trainer.find_checkpoint)
-    checkpoint = find_resume(out, cfg.train.resume, warn=warn, files_read=lambda path: ())
+    checkpoint = find_resume(out, cfg.train.resume, warn=warn, files_read=lambda path: (), warned=warned)
     saved_file = out / "config.yaml"
     if not saved_file.is_file():
-        return Start(cfg, checkpoint)
+        return Start(cfg, checkpoint, warned=warned)
     if checkpoint is None:
-        return Start(cfg, None, fresh_over=True)
+        return Start(cfg, None, fresh_over=True, warned=warned)
     saved = _load_saved(saved_file)
     merged, changes = merge_for_resume(saved, cfg, given, saved_file)
     check_fingerprints(merged, out / FINGERPRINTS)
-    return Start(merged, checkpoint, changes, from_saved=True)
+    return Start(merged, checkpoint, changes, from_saved=True, warned=warned)
 
 
 def merge_for_resume(saved: Config, now: Config, given, where: Path) -> tuple[Config, dict]:
@@ -233,7 +236,37 @@ def describe(start: Start) -> list[str]:
         lines.append(f"warning: {start.cfg.run.out_dir} holds a run's config.yaml but no checkpoint to resume "
                      f"(train.resume={start.cfg.train.resume}); starting from step 0, its previous configs stay "
                      f"in {HISTORY}")
+    if start.set_aside is not None:
+        moved = ", ".join(sorted(p.name for p in start.set_aside.iterdir()))
+        lines.append(f"starting at step 0: the directory's earlier records ({moved}) are kept in {start.set_aside}")
     return lines
+
+
+# what a run records as it trains, moved aside (never deleted) when a start in its directory begins at
+# step 0: the metrics, the TensorBoard events, the expert counts and the checkpoints it wrote
+RECORDS_OF_A_RUN = ("metrics.jsonl", "tensorboard", "expert_load", "checkpoints")
+SET_ASIDE = "previous"
+
+
+def set_aside_records(start: Start) -> Optional[Path]:
+    """Rank 0, for a start from step 0 (nothing resumed): the run directory's earlier records move
+    into previous/<time>/ (a rename: free, and nothing is lost), so the new run's metrics and
+    events never mix with the old ones nor replace them. The directory moved into, or None when
+    there was nothing to move."""
+    out = Path(start.cfg.run.out_dir)
+    found = [name for name in RECORDS_OF_A_RUN if (out / name).exists()]
+    if start.checkpoint is not None or not found:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = out / SET_ASIDE / stamp
+    n = 1
+    while dest.exists():  # two starts within a second
+        dest, n = out / SET_ASIDE / f"{stamp}-{n}", n + 1
+    dest.mkdir(parents=True)
+    for name in found:
+        os.replace(out / name, dest / name)
+    start.set_aside = dest
+    return dest
 
 
 def record_start(start: Start, world: int, peak: tuple[float, str], data_dir: Optional[Path]) -> None:
@@ -265,6 +298,46 @@ def record_start(start: Start, world: int, peak: tuple[float, str], data_dir: Op
     copy_tokenizer(data_dir, out)
 
 
+SHARED_PATIENCE_S = 5.0  # how long a rank looks for rank 0's marker before it says it cannot see it
+
+
+def check_shared(out: Path, rank: int, world: int, device) -> None:
+    """Every rank sees the run directory rank 0 writes (every rank writes its own checkpoint part into
+    a directory rank 0 makes, and reads faults.jsonl and the checkpoints back): rank 0 leaves a
+    marker named by a token it broadcasts, and each rank looks for it. A rank on a node whose
+    run.out_dir is its own local directory is named in one sentence (ConfigError) at start, not by
+    a missing file at the first checkpoint. Collective."""
+    import secrets
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    if world == 1:
+        return
+    token = torch.tensor([secrets.randbits(62) if rank == 0 else 0], dtype=torch.int64, device=device)
+    dist.broadcast(token, 0)
+    mark = Path(out) / f".shared-{int(token.item()):x}"  # host sync, once per start
+    if rank == 0:
+        mark.write_text(socket.gethostname())
+    dist.barrier()
+    found, patience = mark.is_file(), time.time() + SHARED_PATIENCE_S
+    while not found and time.time() < patience:  # a network filesystem may show a new file late
+        time.sleep(0.2)
+        found = mark.is_file()
+    seen = [None] * world
+    dist.all_gather_object(seen, (found, socket.gethostname()))
+    dist.barrier()  # every rank has looked
+    if rank == 0:
+        mark.unlink(missing_ok=True)
+    blind = [(r, host) for r, (found, host) in enumerate(seen) if not found]
+    if blind:
+        ranks = ", ".join(str(r) for r, _ in blind[:16]) + (f" and {len(blind) - 16} more" if len(blind) > 16 else "")
+        hosts = ", ".join(sorted({h for _, h in blind})[:4])
+        raise ConfigError(f"run.out_dir {os.path.abspath(out)} is not one directory for every rank: rank(s) {ranks} "
+                          f"(on {hosts}) do not see what rank 0 wrote there; every rank writes its checkpoint part "
+                          f"into it, so put it on storage every node shares.")
+
+
 def runtime() -> dict:
     """What this start runs on, as rank 0 sees it (the history's `runtime`: the GPU checks read it):
     the device, the process group's back end, the kernel back end and what DS_ACCELERATOR asked for."""
@@ -291,6 +364,31 @@ def copy_tokenizer(src: Optional[Path], dst: Path) -> list[str]:
             os.replace(tmp, dst / name)
             copied.append(name)
     return copied
+
+
+# a finished run's checkpoint up to this size is verified before any launcher (sha256 at ~1 GB/s);
+# a larger one is left to the ranks, which check the files they read in parallel (Trainer)
+VERIFY_BEFORE_LAUNCH_BYTES = 4 << 30
+
+
+def nothing_left(start, verify_up_to: int = VERIFY_BEFORE_LAUNCH_BYTES) -> Optional[str]:
+    """The sentence for a start whose run already reached train.max_steps: its newest complete
+    checkpoint is at or past it and intact (every checksum, when its files hold at most
+    `verify_up_to` bytes). None otherwise, or when only the ranks can tell."""
+    from .checkpoint import step_of, verify
+    path = start.checkpoint
+    if path is None or step_of(path) < start.cfg.train.max_steps:
+        return None
+    if sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file()) > verify_up_to or verify(path):
+        return None
+    return finished_sentence(start.cfg, path)
+
+
+def finished_sentence(cfg, path) -> str:
+    from .checkpoint import step_of
+    return (f"nothing left to do: {os.path.abspath(cfg.run.out_dir)} already reached step {step_of(path)} "
+            f"(checkpoint {path}), and train.max_steps is {cfg.train.max_steps}; raise train.max_steps to train "
+            f"on, or start over with train.resume=none.")
 
 
 # ----------------------------------------------------------------------------- the banner
@@ -354,6 +452,7 @@ def banner(trainer, start: Start) -> str:
         f"start: {source}",
         f"MFU peak {trainer.peak:.3g} TFLOP/s per rank ({trainer.peak_source})",
         f"run directory {out}  (config history: {HISTORY})",
+        *([f"earlier records kept in {start.set_aside}"] if start.set_aside is not None else []),
         f"tensorboard --logdir {out / 'tensorboard'}",
     ]
     return "\n".join(["=" * 20 + " moe_trainer " + "=" * 20, *lines, "=" * 53])
@@ -364,5 +463,6 @@ def print_lines(lines: list[str], stream=sys.stdout) -> None:
         print(line, file=stream, flush=True)
 
 
-__all__ = ["RESUMABLE", "HISTORY", "Start", "plan_start", "merge_for_resume", "record_start", "banner",
+__all__ = ["RESUMABLE", "HISTORY", "Start", "plan_start", "nothing_left", "finished_sentence", "merge_for_resume",
+           "record_start", "set_aside_records", "check_shared", "banner",
            "parameter_counts", "copy_tokenizer", "describe", "resumable", "runtime"]

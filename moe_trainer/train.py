@@ -45,6 +45,22 @@ def _single_process_env() -> None:
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
 
 
+def keep_build_cache_per_environment(environ=os.environ) -> None:
+    """DeepSpeed JIT-builds its C++ ops into torch's extension cache, one per user by default
+    (~/.cache/torch_extensions): two virtual environments on a machine then rebuild each other's
+    ops (50-90 s of silence at every switch). Inside a virtual environment, unless the user chose
+    a cache (TORCH_EXTENSIONS_DIR), the cache lives in it."""
+    if "TORCH_EXTENSIONS_DIR" not in environ and sys.prefix != sys.base_prefix:
+        environ["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")
+
+
+def deepspeed_op_built(name: str = "deepspeed_shm_comm") -> bool:
+    """Is DeepSpeed's JIT op `name` in the extension cache (so loading it takes a moment, not a build)?"""
+    from torch.utils.cpp_extension import get_default_build_root
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return any(root.glob(f"*/{name}/{name}.so"))
+
+
 def local_world_size() -> int:
     """The ranks the launcher started on this node: torchrun's LOCAL_WORLD_SIZE, DeepSpeed's
     LOCAL_SIZE (its launcher sets no LOCAL_WORLD_SIZE), else the whole world (one node)."""
@@ -88,7 +104,6 @@ def make_trainer(cfg, layout, start=None):
     import torch
 
     from . import kernels
-    from .parallel.launch import init_distributed
     from .parallel.mesh import build_mesh
     from .trainer import Trainer
 
@@ -110,8 +125,59 @@ def make_trainer(cfg, layout, start=None):
     if backend.name == "cpu":  # build (first run on a machine, ~20 s) before any collective can wait on it
         from .kernels.cpu.extension import kernels as build_cpu_kernels
         build_cpu_kernels()
-    init_distributed(cfg.parallel.timeout_s)
+    if device.type == "cpu" and int(os.environ.get("RANK", 0)) == 0 and not deepspeed_op_built():
+        print(f"building DeepSpeed's shared-memory op (once per environment, about 40 s) into "
+              f"{os.environ.get('TORCH_EXTENSIONS_DIR', '~/.cache/torch_extensions')}", flush=True)
+    join_distributed(cfg.parallel.timeout_s)
     return Trainer(cfg, build_mesh(layout, int(os.environ["RANK"]), timeout_s=cfg.parallel.timeout_s), device, start)
+
+
+class NeverJoined(RuntimeError):
+    """The process group did not form: ranks of the world never reached the rendezvous."""
+
+
+def join_distributed(timeout_s: float) -> None:
+    """init_distributed, with a rendezvous that times out said as such: which ranks never joined
+    (a node whose launcher never started) and after how long, not a failed collective."""
+    from torch.distributed import DistError
+
+    from .parallel.launch import init_distributed
+    started = time.time()
+    try:
+        init_distributed(timeout_s)
+    except (DistError, RuntimeError) as e:
+        if not isinstance(e, DistError) and not is_gloo_failure(e):
+            raise
+        raise NeverJoined(never_joined_line(str(e), time.time() - started, timeout_s)) from None
+
+
+def never_joined_line(error: str, waited_s: float, timeout_s: float) -> str:
+    """One sentence for a rendezvous that timed out. The store's host (rank 0) knows how many ranks
+    joined; every rank knows which ranks its own node's launcher started (a launcher gives each
+    node a contiguous block: RANK - LOCAL_RANK onwards), so the others are the ones to look at."""
+    import re
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    first = int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
+    mine = range(first, first + local_world_size())
+    others = [r for r in range(world) if r not in mine]
+    joined = re.search(r"(\d+)/(\d+) clients joined", error)
+    count = f"{joined[1]} of {joined[2]} ranks joined; " if joined else ""
+    node = os.environ.get("CROSS_RANK") or os.environ.get("GROUP_RANK")  # DeepSpeed's launcher, torchrun
+    here = f"{f'node {node}' if node else 'this node'} started {_span(list(mine))}"
+    missing = f"{_span(others)}, outside this node," if others else f"some of {_span(list(mine))}"
+    return (f"the process group did not form after {waited_s:.0f} s (parallel.timeout_s={timeout_s:g}): {count}"
+            f"{missing} never joined the rendezvous at {os.environ.get('MASTER_ADDR')}:"
+            f"{os.environ.get('MASTER_PORT')} ({here}); start every node's launcher (deepspeed --node_rank N, "
+            f"or torchrun per node) with the same master address and port.")
+
+
+def _span(ranks: list[int]) -> str:
+    """"rank 3", "ranks 4-7" (a contiguous block) or "ranks 1, 5"."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
 
 
 # what gloo's own waits raise as a plain RuntimeError (work.wait() past the group's timeout, a peer gone)
@@ -126,12 +192,14 @@ def report_error(message: str, rank: int, world: int, same_on_every_rank: bool) 
     """Print a one-sentence error once per job, not once per rank.
 
     same_on_every_rank (checks of the config and the run directory, which every rank makes
-    alike before any process group): rank 0 prints it; the others wait a moment so that the
-    launcher, which ends every rank once one fails, does not end rank 0 before it has printed.
+    alike before any process group): the first rank of every node prints it (each node's
+    launcher has its own log: node 1's would otherwise hold only an exit code); the others wait
+    a moment so that the launcher, which ends every rank once one fails, does not end the printing
+    one first.
     Otherwise the first rank of this node to report that message prints it (a marker file
     named by the launcher's process, port and message): the rank that failed, once."""
     if same_on_every_rank or world == 1:
-        if rank == 0:
+        if rank == 0 or os.environ.get("LOCAL_RANK", "0") == "0":
             print(message, file=sys.stderr, flush=True)
         elif same_on_every_rank:
             time.sleep(2)
@@ -149,7 +217,17 @@ def report_error(message: str, rank: int, world: int, same_on_every_rank: bool) 
     print(message if rank == 0 else f"{message} (rank {rank})", file=sys.stderr, flush=True)
 
 
-def plan_run(args, rank: int):
+def plan_command(argv: list[str]):
+    """plan_run for a trainer command line (the arguments after `--module moe_trainer.train`), in
+    the process that launches it: the start its ranks will make, without warnings; None when the
+    arguments are wrong (the ranks say so)."""
+    try:
+        return plan_run(parse_args(argv), rank=0, warn=False)
+    except (ConfigError, CheckpointError, DataError, HFFormatError, SystemExit):
+        return None
+
+
+def plan_run(args, rank: int, warn: bool = True):
     """This start (run_dir.Start): the config to run with, and the checkpoint it resumes. The data must
     be there. The run directory's config.yaml decides a resume (every rank reads it alike). A resume
     that continues that config.yaml takes its model from it and its weights from the checkpoint, so it
@@ -163,7 +241,7 @@ def plan_run(args, rank: int):
     start = None
     try:  # the config as the command gives it, enough to find the checkpoint
         cfg = load_config(config, args.overrides, check_data=True)
-        start = plan_start(cfg, given, warn=rank == 0)
+        start = plan_start(cfg, given, warn=warn and rank == 0)
     except DataVocabError:
         # the command alone cannot resolve vocab_size auto, as on a resume whose data keys are the saved
         # config.yaml's (a mixture's data.tokenizer): the merge resolves it; not a resume: decided below
@@ -171,13 +249,15 @@ def plan_run(args, rank: int):
             cfg = load_config(config, args.overrides, resolve_data=False)
         except ConfigError:
             cfg = None
-        start = plan_start(cfg, given, warn=rank == 0) if cfg is not None else None
+        start = plan_start(cfg, given, warn=warn and rank == 0) if cfg is not None else None
         start = start if start is not None and start.from_saved else None
     except ConfigError:
         pass  # e.g. a model section that only the init_from directory's config.json completes: decided below
     if start is None or (not start.from_saved and cfg.train.init_from):  # else the first reading stands
         cfg = load_config(config, args.overrides, check_data=True, read_init_from=True)
-        start = plan_start(cfg, given, warn=start is None and rank == 0)
+        warned = start.warned if start is not None else set()
+        start = plan_start(cfg, given, warn=warn and start is None and rank == 0)
+        start.warned |= warned
     # the command's, not start.cfg's (a merge keeps the saved value where the command says auto):
     # Trainer.find_checkpoint verifies by it
     start.resume = cfg.train.resume
@@ -209,6 +289,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    keep_build_cache_per_environment()
     try:
         start = plan_run(args, rank)
         _single_process_env()
@@ -232,17 +313,27 @@ def main(argv=None) -> int:
 
     from .kernels import KernelConfigError
     from .parallel.launch import report_collective_failure, shutdown_distributed
-    from .trainer import TrainingHalted
+    from .trainer import NothingLeft, TrainingHalted
 
     try:
         trainer = make_trainer(cfg, layout, start)
         trainer.train()
+    except NothingLeft as e:  # the ranks verified the finished run's checkpoint: before the engine
+        if rank == 0:
+            print(e, flush=True)
+        shutdown_distributed()
+        return 0
     except (DataError, CheckpointError, ConfigError, HFFormatError, KernelConfigError) as e:
         report_error(f"error: {e}", rank, world, same_on_every_rank=False)
         return 2
     except TrainingHalted as e:
         report_error(f"error: {e}", rank, world, same_on_every_rank=False)
         return 3
+    except NeverJoined as e:  # no process group, no watch thread: this node's first rank says it
+        report_error(f"error: {e}", rank, world, same_on_every_rank=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(4)
     except (DistError, RuntimeError) as e:  # a collective timed out or a peer went away (gloo, the CPU rings;
         # on NCCL the watchdog thread sees it instead, and launch.CollectiveWatch ends the job with the same line)
         if not isinstance(e, DistError) and not is_gloo_failure(e):

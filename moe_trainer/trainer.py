@@ -7,6 +7,7 @@ update from globally summed counts (expert_load/tracker.py) -> metrics -> eval -
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -21,13 +22,14 @@ import torch.distributed as dist
 
 from . import checkpoint, run_dir
 from .restart import RESTART_ENV
-from .faults import Faults, ReplicaCheck, SpikeGuard, parse_faults, repair_from_owners, straggler_events
+from .faults import (Faults, ReplicaCheck, SpikeGuard, owner_drift, owner_partitions, parse_faults, repair_from_owners,
+                     straggler_events)
 from .config import Config, Layout, TrainConfig
 from .data import DataError, MixtureSource, open_run_data, run_data_dir
 from .data.documents import document_ids, document_positions
 from .expert_load.tracker import ExpertLoadTracker
 from .hf import load_initial_weights
-from .metrics import MetricSink, StepClock, peak_memory_gb, peak_tflops, train_flops_per_token
+from .metrics import Interval, MetricSink, StepClock, peak_memory_gb, peak_tflops, train_flops_per_token
 from .models.init import materialize
 from .compile import compile_regions
 from .models.registry import build_model
@@ -45,6 +47,10 @@ from .parallel.zero import build_engine, set_lr
 
 class TrainingHalted(RuntimeError):
     """Training stopped by policy (e.g. repeated non-finite losses): one sentence, exit 3."""
+
+
+class NothingLeft(Exception):
+    """The run already reached train.max_steps: one sentence, exit 0."""
 
 
 def get_lr(step: int, t: TrainConfig) -> float:
@@ -81,6 +87,7 @@ class Trainer:
         """`start`: what moe_trainer.train decided before the process group (the checkpoint to
         resume, the config's changes); None decides it here (find_checkpoint), counting every key as given."""
         self.cfg, self.mesh, self.device, self.start = cfg, mesh, device, start
+        planned = start is not None  # a training start (moe_trainer.train), not a tool's (reshard, dry run)
         self.layout: Layout = mesh.layout
         self.is_logger = mesh.rank == 0
         self.out_dir = Path(cfg.run.out_dir)
@@ -115,6 +122,8 @@ class Trainer:
         # whole Hugging Face checkpoint, which may be gone by then); init_from is read when no
         # checkpoint is usable, auto-resume's fallback past damaged ones included
         self.resume_from = self.find_checkpoint()
+        if planned and self.resume_from is not None and checkpoint.step_of(self.resume_from) >= t.max_steps:
+            raise NothingLeft(run_dir.finished_sentence(cfg, self.resume_from))  # before the engine is built
         if t.init_from and self.resume_from is None:
             load_initial_weights(self.model, t.init_from)
         if t.compile:  # after the weights are in place, before the engine wraps the model
@@ -148,10 +157,13 @@ class Trainer:
                        if cfg.debug.faults else None)
         self.replicas = ReplicaCheck(self.engine.module, mesh, t.replica_check_every)
         self.replicas = self.replicas if self.replicas.sets and t.replica_check_every else None
+        self.owners = owner_partitions(self.engine) if self.replicas else None  # (fp32 master, model slice)
+        self.last_checked: Optional[int] = None  # the newest step whose state passed the replica check
         self.spikes = SpikeGuard() if t.spike_guard else None
         self.rolled_back_to: Optional[int] = None  # the checkpoint step of the last rollback
         self.data_offset = 0  # batches skipped by rollbacks: step s trains on sample position s + offset
         self.sink_steps = 0  # steps this process has logged
+        self.interval = Interval()  # the steps since the last log step: their figures are logged as means
 
     # ------------------------------------------------------------------ setup
     def _enable_shm_collectives(self) -> None:
@@ -185,7 +197,7 @@ class Trainer:
         found = checkpoint.find_resume(self.out_dir, resume, warn=self.is_logger,
                                        files_read=lambda path: checkpoint.files_to_read(path, self.model,
                                                                                         self.mesh.rank),
-                                       any_rank=self.any_rank)
+                                       any_rank=self.any_rank, warned=self.start.warned)
         if found != self.start.checkpoint:  # the checksums refused plan_start's pick: the run directory's
             self.start.checkpoint = found   # history and the console say what this start really resumes
             self.start.fresh_over = found is None and (self.out_dir / "config.yaml").is_file()
@@ -195,10 +207,12 @@ class Trainer:
         """Rank 0 records the start (config_history.jsonl, config.yaml, the tokenizer, the MFU peak)
         and says what it decided."""
         if self.is_logger:
+            run_dir.set_aside_records(self.start)
             run_dir.print_lines(run_dir.describe(self.start))
             run_dir.record_start(self.start, self.layout.world, (self.peak, self.peak_source),
                                  run_data_dir(self.cfg.data))
-        self.barrier()
+        if dist.is_initialized() and self.layout.world > 1:  # its barriers: rank 0's records are written
+            run_dir.check_shared(self.out_dir, self.mesh.rank, self.layout.world, self.device)
 
     def open_sink(self) -> None:
         """After resuming: metrics past the resumed step (from the interrupted run) are dropped. A job
@@ -244,6 +258,7 @@ class Trainer:
             progress(self.step + 1, "forward, backward and optimizer")
             record = self.train_step()
             self.step += 1
+            self.interval.add(self.step_figures(record))
             progress(self.step, "losses, logging and evaluation")
             if self.faults:
                 self.flip_bit()
@@ -263,7 +278,7 @@ class Trainer:
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.max_steps \
                     or self._stopping:
                 progress(self.step, "checkpoint")
-                checkpoint.save(self)
+                self.save_checkpoint()
         if self.pipelined and self.trace.enabled:
             self.write_pipeline_trace()
         if self.sink:
@@ -272,6 +287,16 @@ class Trainer:
             print(f"stopped by SIGTERM after step {self.step}; checkpoint written, resume with train.resume=auto",
                   flush=True)
         return last
+
+    def save_checkpoint(self) -> None:
+        """checkpoint.save (collective), and one console line from rank 0: step, path, size, seconds."""
+        started = time.perf_counter()
+        path = checkpoint.save(self)
+        if path is not None:
+            files = json.loads((path / checkpoint.MANIFEST).read_text())["files"]
+            size = sum(f["bytes"] for f in files.values())
+            print(f"checkpoint step {self.step}: {path} ({size / 1e6:,.1f} MB in {len(files)} files, "
+                  f"{time.perf_counter() - started:.1f} s)", flush=True)
 
     # ------------------------------------------------------------------ failures
     def _on_sigterm(self, signum, frame) -> None:
@@ -300,28 +325,43 @@ class Trainer:
                   f"({self._nan_skips} in a row, train.max_nan_skips={limit})", file=sys.stderr, flush=True)
         if self._nan_skips > limit:
             self.step -= self._nan_skips  # the weights are those after the last good step
-            checkpoint.save(self)
+            self.save_checkpoint()
             raise TrainingHalted(f"stopped at step {self.step + self._nan_skips}: {self._nan_skips} non-finite "
                                  f"losses in a row (train.max_nan_skips={limit}); the last good state is "
                                  f"checkpoint step_{self.step}.")
 
     # ------------------------------------------------------------------ faults that do not kill
     def flip_bit(self) -> None:
-        """bitflip@S:R, right after step S's update."""
+        """bitflip@S:R and bitflip_master@S:R, right after step S's update."""
         name = self.faults.after_update(self.step, self.engine.module)
         if name is not None:
             print(f"fault injected: rank {self.mesh.rank}: one bit flipped in {name} after step {self.step}",
                   file=sys.stderr, flush=True)
+        if self.faults.after_update_master(self.step, self.engine) is not None:
+            print(f"fault injected: rank {self.mesh.rank}: one bit flipped in its ZeRO-1 fp32 master partition "
+                  f"after step {self.step}", file=sys.stderr, flush=True)
 
     def check_replicas(self) -> None:
-        """Before this step's forward: do the replicas agree? If any does not, every rank's weights
-        are gathered again from the ZeRO-1 owners' partitions, and the ranks whose copy changed are
-        named. Collective; one host sync."""
-        flag = self.replicas.mismatched().to(torch.float32).reshape(1)
+        """Before this step's forward: do the replicas agree, and does every ZeRO-1 owner's fp32
+        partition still match the model copy it wrote? A replica that differs is repaired from the
+        owners' partitions (and the ranks whose copy changed are named); an owner's partition that
+        differs while every replica agrees is the corrupt copy, with nothing to repair it from: the
+        run rolls back. Collective; one host sync (a single fault at a time: a replica that differs
+        in the owner's own slice explains that owner's drift too, so the repair comes first)."""
+        flags = torch.stack([self.replicas.mismatched(), owner_drift(self.owners)]).to(torch.float32)
         if self.layout.world > 1:
-            all_reduce_small(flag, op="max")
-        if flag.item() == 0:  # host sync, once per check
-            return
+            all_reduce_small(flags, op="max")
+        replica_bad, owner_bad = flags.tolist()  # host sync, once per check
+        if replica_bad:
+            self.repair_replicas()
+        elif owner_bad:
+            self.roll_back_corrupt_owner()
+        else:
+            self.last_checked = self.step
+
+    def repair_replicas(self) -> None:
+        """Every rank's weights gathered again from the owners' partitions; the ranks whose copy
+        changed are named. Collective."""
         before = self.replicas.local_sums()
         repair_from_owners(self.engine)
         changed = self.replicas.changed(before)
@@ -336,6 +376,36 @@ class Trainer:
                   f"repaired from the ZeRO-1 owners' partitions", file=sys.stderr, flush=True)
             if self.sink:
                 self.sink.log(self.step, event)
+
+    def roll_back_corrupt_owner(self) -> None:
+        """An owner's fp32 partition differs from the weights every replica holds: back to the newest
+        checkpoint at or before the last step that passed the check (the state after it was written
+        is the one that check saw), the same batches replayed. Collective."""
+        mine = bool(owner_drift(self.owners).item())  # host sync, on this rare path only
+        reports = [None] * self.layout.world
+        dist.all_gather_object(reports, mine)
+        ranks = [r for r, bad in enumerate(reports) if bad]
+        found_at = self.step
+        reason = (f"the ZeRO-1 fp32 master partition of rank(s) {ranks} differs from the weights every replica "
+                  f"holds (found before step {found_at + 1})")
+        at_most = self.last_checked if self.last_checked is not None else found_at - 1
+        found = checkpoint.find_resume(self.out_dir, "auto", warn=self.is_logger, at_most=at_most,
+                                       files_read=lambda path: checkpoint.files_to_read(path, self.model,
+                                                                                        self.mesh.rank),
+                                       any_rank=self.any_rank)
+        if found is None:
+            raise TrainingHalted(f"stopped before step {found_at + 1}: {reason}, and no checkpoint from step "
+                                 f"{at_most} or before is there to roll back to.")
+        self.step = checkpoint.load(found, self)  # the batches after it are trained again, not skipped
+        if self.spikes:
+            self.spikes.reset()
+        event = {"event": "rollback", "to": self.step, "skipped_steps": [], "ranks": ranks,
+                 "cause": "owner_partition", "reason": reason}
+        if self.is_logger:
+            print(f"{reason}; rolled back to {found}, training steps {self.step + 1}-{found_at} again",
+                  file=sys.stderr, flush=True)
+            if self.sink:
+                self.sink.log(found_at, event, tb_prefix="events/rollback/")
 
     def guard_spike(self, record: dict) -> bool:
         """A loss or gradient-norm spike (the same on every rank: both are reduced) rolls the run
@@ -553,16 +623,28 @@ class Trainer:
         model.train()
         return self.reduce_losses({"lm": total / (t.eval_batches * self.layout.grad_accum)})["lm"]
 
+    def step_figures(self, r: dict) -> dict:
+        """The step's time and its split (what Interval averages between log steps)."""
+        seconds = r["comm"].get("seconds", {})
+        # the split's share of the dispatch/combine all-to-alls (forward and backward)
+        a2a = sum(s for k, s in seconds.items() if k.startswith(("dispatch", "combine")))
+        return {"step_time_s": r["step_time"], **r["times"].as_dict(), "time.all_to_all_s": a2a}
+
     def log(self, r: dict) -> dict:
+        """The log step's record: throughput, MFU and the step-time split as means over the steps
+        since the last log step (`interval_steps` of them), this step's own time beside them."""
         t = self.cfg.train
         tokens = t.global_batch_size * t.seq_len
-        tflops = self.flops_per_token * tokens / self.layout.world / r["step_time"] / 1e12
-        record = {"loss": r["losses"]["lm"], "skipped": int(r["skipped"]), **{f"loss_{k}": v for k, v in r["losses"].items() if k != "lm"},
+        steps, means = self.interval.take()  # this step included: the loop adds every step before it logs
+        step_time = means["step_time_s"]
+        tflops = self.flops_per_token * tokens / self.layout.world / step_time / 1e12
+        record = {"loss": r["losses"]["lm"], "skipped": int(r["skipped"]),
+                  **{f"loss_{k}": v for k, v in r["losses"].items() if k != "lm"},
                   "lr": get_lr(self.step - 1, t), "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
-                  "tokens_per_s": tokens / r["step_time"], "tokens_per_s_per_rank": tokens / r["step_time"] /
-                  self.layout.world, "step_time_s": r["step_time"], "tflops_per_rank": tflops,
-                  "mfu": tflops / self.peak, "peak_tflops": self.peak, "memory_gb": peak_memory_gb(self.device),
-                  **r["times"].as_dict()}
+                  "tokens_per_s": tokens / step_time, "tokens_per_s_per_rank": tokens / step_time / self.layout.world,
+                  "tflops_per_rank": tflops, "mfu": tflops / self.peak, "peak_tflops": self.peak,
+                  "memory_gb": peak_memory_gb(self.device), **means, "interval_steps": steps,
+                  "step_time_last_s": r["step_time"], "tokens_per_s_last": tokens / r["step_time"]}
         record["global_batch_tokens"] = tokens
         record["source_samples"] = self.source_samples()
         if self.noise.steps:
@@ -573,13 +655,10 @@ class Trainer:
         for kind, sent in r["comm"]["sent"].items():  # this rank's bytes in the last step
             record[f"comm.{kind}_sent_bytes"] = sent
             record[f"comm.{kind}_received_bytes"] = r["comm"]["received"][kind]
-        seconds = r["comm"].get("seconds", {})
-        for kind, s in seconds.items():
+        for kind, s in r["comm"].get("seconds", {}).items():  # this rank's seconds in the last step
             record[f"comm.{kind}_s"] = s
-        # the step split: time inside the dispatch/combine all-to-alls (forward and backward)
-        record["time.all_to_all_s"] = sum(s for k, s in seconds.items() if k.startswith(("dispatch", "combine")))
         if self.layout.world > 1 and self.sink_steps > 0:  # a process's first step pays its one-time costs
-            self.name_stragglers(r["times"])
+            self.name_stragglers(r)
         self.sink_steps += 1
         if self.sink:
             self.sink.log(self.step, record)
@@ -594,12 +673,16 @@ class Trainer:
             return self.train_data.drawn(drawn)
         return {next(iter(self.val_data)): drawn}
 
-    def name_stragglers(self, times: StepTimes) -> None:
-        """Every rank's own time this step, gathered at log steps; ranks far above the median are
-        named. Loading its batches and its forward passes: the backward is left out because ZeRO's
-        bucketed gradient reduction runs inside it, where every rank waits for the slowest (at ep > 1
-        the forward's all-to-alls wait likewise, so a straggler's EP peers look slow too)."""
-        mine = torch.tensor([times.data + times.forward], device=self.device)
+    def name_stragglers(self, r: dict) -> None:
+        """Every rank's own compute time this step, gathered at log steps; ranks far above the median
+        are named. Its own: loading its batches and its forward passes, less the time it spent inside
+        the forward's collectives (the expert all-to-alls), where a rank waits for its slowest peer,
+        so that at ep > 1 a straggler's EP peers do not look slow too. The backward is left out: ZeRO's
+        bucketed gradient reduction runs inside it, where every rank waits for the slowest."""
+        times = r["times"]
+        waits = sum(s for kind, s in r["comm"].get("seconds", {}).items()
+                    if not kind.endswith("_grad") and not kind.startswith("pp_"))
+        mine = torch.tensor([max(times.data + times.forward - waits, 0.0)], device=self.device)
         every = torch.empty(self.layout.world, device=self.device)
         dist.all_gather_into_tensor(every, mine)
         if not self.is_logger:

@@ -5,6 +5,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
+  echo "making .venv with $PY"
   "$PY" -m venv .venv
 fi
 VPY="$ROOT/.venv/bin/python"
@@ -13,6 +14,7 @@ has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>
 install_project() {  # $1: extras spec, e.g. "[test]" or ""
   local stamp=".venv/.installed$1"
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    echo "installing the project into .venv (a few minutes the first time)"
     if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
       if has_gpu; then "$VPY" -m pip install -q torch; else "$VPY" -m pip install -q "torch==2.13.0"; fi
     fi
@@ -20,7 +22,13 @@ install_project() {  # $1: extras spec, e.g. "[test]" or ""
     touch "$stamp"
   fi
   if ! has_gpu; then export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"; fi
+  # DeepSpeed's JIT-built ops live in this environment, not in the one per-user cache that every
+  # environment on the machine would rebuild in turn (moe_trainer.train sets the same default)
+  export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.venv/torch_extensions}"
   # DeepSpeed JIT-builds its shared-memory op on first init_distributed (~40 s): do it once here
+  if ! ls "$TORCH_EXTENSIONS_DIR"/*/deepspeed_shm_comm/deepspeed_shm_comm.so >/dev/null 2>&1; then
+    echo "building DeepSpeed's shared-memory op into $TORCH_EXTENSIONS_DIR (once per environment, about 40 s)"
+  fi
   "$VPY" -c "from deepspeed.accelerator import get_accelerator as g; g().create_op_builder('ShareMemCommBuilder').load()" \
     >/dev/null 2>&1 || true
   # and ours (~20 s once), so the ranks of a job never race to build it

@@ -17,8 +17,8 @@ BASE = TINY + ["train.max_steps=6"]
 
 
 def test_fault_specs_parse_or_give_one_sentence():
-    assert parse_faults(["bitflip@3:1", "spike@9", "slow@2"]) == [
-        Fault("bitflip", 3, 1), Fault("spike", 9, None), Fault("slow", 2, 0)]
+    assert parse_faults(["bitflip@3:1", "spike@9", "slow@2", "bitflip_master@4:1"]) == [
+        Fault("bitflip", 3, 1), Fault("spike", 9, None), Fault("slow", 2, 0), Fault("bitflip_master", 4, 1)]
     for bad, words in (("flip@3", "KIND@STEP"), ("spike@9:1", "whole step"), ("kill@0:1", "count from 1"),
                        ("kill@2:5", "rank 5")):
         with pytest.raises(FaultSpecError, match=words):
@@ -85,6 +85,23 @@ def test_bitflip_on_one_replica_is_repaired_before_the_next_forward_and_the_run_
     assert len([r for r in slow if r["rank"] == 0]) <= 1  # noise on a loaded machine, at most once
 
 
+def test_a_flipped_bit_in_an_owners_master_partition_rolls_back_and_the_run_equals_a_clean_one(clean, tmp_path):
+    """bitflip_master@3:1: rank 1's ZeRO-1 fp32 partition is corrupt after step 3's update while both
+    model copies agree; the check before step 4 sees it differ from the copy it wrote, and the run
+    goes back to step 2's checkpoint (step 3's was written after the flip) and trains 3-6 again."""
+    out = tmp_path / "master"
+    proc = check(launch(2, out, BASE + ["train.replica_check_every=1", "train.checkpoint_every=1",
+                                        "train.keep_checkpoints=3", "debug.faults=[bitflip_master@3:1]"]))
+    assert "master partition of rank(s) [1] differs" in proc.stderr
+    rows = read_metrics(out)
+    rollback = [r for r in rows if r.get("event") == "rollback"]
+    assert len(rollback) == 1 and rollback[0]["step"] == 3 and rollback[0]["to"] == 2
+    assert rollback[0]["ranks"] == [1] and rollback[0]["cause"] == "owner_partition"
+    assert not [r for r in rows if r.get("event") == "replica_mismatch"]  # not taken for a replica's fault
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 3, 4, 5, 6]  # step 3 trained again
+    assert train_losses(out) == train_losses(clean)  # exactly: replayed from a good state, same batches
+
+
 def test_a_spike_rolls_back_to_the_checkpoint_before_it_and_skips_its_batches(tmp_path):
     # the final validation loss (fixed batches) compares the models; a training batch of 256 tokens
     # moves the last step's loss by a few percent whichever batches came before
@@ -103,6 +120,29 @@ def test_a_spike_rolls_back_to_the_checkpoint_before_it_and_skips_its_batches(tm
     assert train_losses(spiked)[10] < 1.5 * train_losses(clean)[10]  # step 10 trained again, on later batches
     state = json.loads((spiked / "checkpoints" / "step_14" / "state.json").read_text())
     assert state["data_position"] == 16  # two batches skipped, and a resume keeps skipping them
+
+
+def test_a_second_spike_after_a_rollback_stops_the_run_naming_the_steps_and_the_last_good_checkpoint(tmp_path):
+    """spike@9 rolls back to step 8; the guard needs 8 steps of history again, and spike@16 (before a
+    checkpoint from after the rollback that is older than the spike) stops the run at step 17."""
+    out = tmp_path / "twice"
+    proc = launch(1, out, BASE[:-1] + ["train.max_steps=20", "train.checkpoint_every=8", "train.keep_checkpoints=3",
+                                       "debug.faults=[spike@9,spike@16]"], launcher="python")
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "loss spike at step 10" in proc.stderr
+    assert "stopped at step 17: " in proc.stderr and "again after rolling back to step 8" in proc.stderr
+    assert f"the last good state is {out / 'checkpoints' / 'step_8'}." in proc.stderr
+    assert [r["to"] for r in read_metrics(out) if r.get("event") == "rollback"] == [8]
+
+
+def test_a_slow_rank_at_ep_2_is_named_not_its_expert_parallel_peer(tmp_path):
+    """At ep 2 the forward's all-to-alls make rank 0 wait for slow rank 1 each step, so their time
+    to the end of the forward is alike; the time outside those collectives tells them apart."""
+    out = tmp_path / "slow_ep"
+    check(launch(2, out, BASE[:-1] + ["train.max_steps=5", "parallel.ep=2", "debug.faults=[slow@2:1]"]))
+    slow = [r for r in read_metrics(out) if r.get("event") == "straggler"]
+    assert len([r for r in slow if r["rank"] == 1]) >= 3, slow  # judged at steps 2-5
+    assert len([r for r in slow if r["rank"] == 0]) <= 1, slow
 
 
 def test_a_killed_rank_restarts_the_job_which_resumes_and_ends_as_a_clean_run(clean, tmp_path):

@@ -1,6 +1,7 @@
 """DeepSpeed's multi-node launch, on this one machine: a hostfile of two "nodes" (localhost and
 127.0.0.1, one rank each) and one launcher per node with --no_ssh --node_rank 0|1, as a cluster's
 scheduler starts them. Same losses as one node with the same ranks, and it resumes."""
+import re
 import subprocess
 from pathlib import Path
 
@@ -9,7 +10,8 @@ from conftest import ROOT, TINY, VENV_BIN, check, env, free_port, launch, read_m
 BASE = TINY + ["train.max_steps=4", "train.checkpoint_every=2", "train.resume=auto"]
 
 
-def launch_two_nodes(out: Path, overrides: list[str], tmp: Path) -> list[subprocess.CompletedProcess]:
+def launch_two_nodes(out: Path, overrides: list[str], tmp: Path, nodes=(0, 1)) -> list[subprocess.CompletedProcess]:
+    """The launchers of the hostfile's nodes `nodes` (a node left out never starts)."""
     hosts = tmp / "hostfile"
     hosts.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     port = free_port()
@@ -17,7 +19,7 @@ def launch_two_nodes(out: Path, overrides: list[str], tmp: Path) -> list[subproc
     nodes = [subprocess.Popen([str(VENV_BIN / "deepspeed"), "--hostfile", str(hosts), "--no_ssh", "--node_rank",
                                str(r), "--master_addr", "127.0.0.1", "--master_port", str(port), "--module",
                                "moe_trainer.train", *args], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+                              stderr=subprocess.PIPE, text=True) for r in nodes]
     done = []
     for p in nodes:
         stdout, stderr = p.communicate(timeout=300)
@@ -38,3 +40,49 @@ def test_two_nodes_equal_one_node_and_resume(tmp_path):
     assert train_losses(two) == train_losses(one)
     starts = [r for r in read_metrics(two) if "loss" in r]
     assert [r["step"] for r in starts] == [1, 2, 3, 4]
+
+
+def test_errors_reach_every_node_and_a_node_never_started_is_named(tmp_path):
+    """A config error is in each node's launcher output, not only rank 0's; with node 1's launcher
+    never started, node 0 says which rank never joined and after how long, not a failed collective."""
+    bad = launch_two_nodes(tmp_path / "bad", BASE + ["train.lr=-1"], tmp_path)
+    for node, proc in enumerate(bad):
+        assert proc.returncode == 2 and "config error: train.lr must be >= 0" in proc.stderr, (node, proc.stderr)
+    [alone] = launch_two_nodes(tmp_path / "alone", BASE + ["parallel.timeout_s=8"], tmp_path, nodes=(0,))
+    said = re.search(r"the process group did not form after (\d+) s \(parallel.timeout_s=8\): 1 of 2 ranks joined; "
+                     r"rank 1, outside this node, never joined", alone.stderr)
+    assert alone.returncode == 4 and said, alone.stderr
+    assert 8 <= int(said[1]) <= 8 + 10  # the rendezvous' own wait, as the rank timed it
+    assert "collective" not in alone.stderr
+
+
+def _check_run_dirs(rank, world, port, dirs, results):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from moe_trainer.config import ConfigError
+    from moe_trainer.run_dir import check_shared
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    said = []
+    for shared in (True, False):  # one directory for both ranks; then each its own, as on two nodes' local disks
+        out = Path(dirs[0] if shared else dirs[rank])
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            check_shared(out, rank, world, torch.device("cpu"))
+            said.append(None)
+        except ConfigError as e:
+            said.append(str(e))
+    results[rank] = said
+    dist.destroy_process_group()
+
+
+def test_a_run_directory_that_is_not_shared_by_every_rank_is_named_at_start(tmp_path):
+    from conftest import spawn_ranks
+    said = spawn_ranks(_check_run_dirs, 2, [str(tmp_path / "a"), str(tmp_path / "b")])
+    for rank in (0, 1):
+        assert said[rank][0] is None  # the shared directory passes, and its marker is gone
+        assert "is not one directory for every rank: rank(s) 1 (on " in said[rank][1]
+    assert list((tmp_path / "a").iterdir()) == [] and list((tmp_path / "b").iterdir()) == []

@@ -27,7 +27,7 @@ EPILOG = """\
             the same order and that every send meets its receive
   roles     one rank of each role (pipeline stage, so first/last and MoE or not; tp rank 0 or not),
             the rest read by symmetry (default)
-  R1,R2,..  these ranks
+  R1,R2,..  these ranks, and rank 0 (it writes the checkpoint's state.json that every reload reads)
 
 it fails (exit 1, one sentence naming the rule, the rank and the call site) on: a tensor not on the
 rank's CUDA device in a collective or transfer; a group created by some ranks only or out of order;

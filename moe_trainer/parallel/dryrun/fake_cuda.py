@@ -138,12 +138,15 @@ class CudaShim:
 
 class MemoryMeter:
     """Live and peak bytes of fake CUDA storages: a storage counts from its first fake tensor's
-    creation until its last fake tensor dies (views share their base's storage)."""
+    creation until its last fake tensor dies or moves to another storage (views share their base's
+    storage; `param.data = other` moves a tensor, as DeepSpeed's flattening of the weights does, and
+    frees the old storage on a GPU once nothing else holds it)."""
 
     def __init__(self):
         self.total = self.top = self.base = 0  # every simulated rank's bytes, kept alive until the reloads
         self._refs: Counter = Counter()
         self._bytes: dict[int, int] = {}
+        self._key_of: dict[int, int] = {}  # id of a live tracked tensor -> its storage's key
 
     def reset(self) -> None:
         """Count from here: the bytes live now belong to ranks simulated earlier."""
@@ -157,17 +160,33 @@ class MemoryMeter:
     def peak(self) -> int:
         return self.top - self.base
 
-    def track(self, t: FakeTensor) -> None:
-        if t.fake_device.type != "cuda":
-            return
-        storage = t.untyped_storage()
+    def _hold(self, storage) -> int:
         key = storage._cdata
         if key not in self._bytes:
             self._bytes[key] = storage.nbytes()
             self.total += self._bytes[key]
             self.top = max(self.top, self.total)
         self._refs[key] += 1
-        weakref.finalize(t, self._release, key)
+        return key
+
+    def track(self, t: FakeTensor) -> None:
+        if t.fake_device.type != "cuda":
+            return
+        self._key_of[id(t)] = self._hold(t.untyped_storage())
+        weakref.finalize(t, self._forget, id(t))
+
+    def moved(self, t: torch.Tensor) -> None:
+        """`t` now uses another storage (its .data was set): count that one, release the old."""
+        old = self._key_of.get(id(t))
+        if old is None or t.untyped_storage()._cdata == old:
+            return
+        self._key_of[id(t)] = self._hold(t.untyped_storage())
+        self._release(old)
+
+    def _forget(self, tensor_id: int) -> None:
+        key = self._key_of.pop(tensor_id, None)
+        if key is not None:
+            self._release(key)
 
     def _release(self, key: int) -> None:
         self._refs[key] -= 1
@@ -180,7 +199,7 @@ _METER: list = []  # the one MemoryMeter FakeTensor.__new__ reports to (install_
 
 
 def install_meter(meter: MemoryMeter) -> None:
-    """Count every fake tensor created from now on in `meter`."""
+    """Count every fake tensor created from now on in `meter`, and follow `tensor.data = other`."""
     if not _METER:
         base = FakeTensor.__new__
 
@@ -190,8 +209,43 @@ def install_meter(meter: MemoryMeter) -> None:
                 _METER[0].track(t)
             return t
         FakeTensor.__new__ = staticmethod(new)
+        data = torch._C.TensorBase.data
+
+        def set_data(self, value):
+            data.__set__(self, value)
+            if _METER:
+                _METER[0].moved(self)
+        torch.Tensor.data = property(data.__get__, set_data)
         _METER.append(meter)
     _METER[0] = meter
+
+
+# ----------------------------------------------------------------------------- attention as a GPU runs it
+
+@contextlib.contextmanager
+def fused_attention():
+    """F.scaled_dot_product_attention on fake CUDA tensors as the memory-efficient kernel a GPU picks
+    for these shapes (two head sizes for MLA included): its output and log-sum-exp are all it keeps,
+    where torch without CUDA would choose the math path and materialise (B, H, T, S) scores. Calls
+    with a mask stay as they are (on CUDA the document mask runs as FlexAttention instead)."""
+    import torch.nn.functional as F
+    base = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None or not isinstance(q, FakeTensor) or q.fake_device.type != "cuda":
+            return base(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa)
+        if enable_gqa and k.shape[1] != q.shape[1]:
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, q.requires_grad or k.requires_grad or v.requires_grad, dropout_p, is_causal, scale=scale)[0]
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = base
 
 
 # ----------------------------------------------------------------------------- the fake mode

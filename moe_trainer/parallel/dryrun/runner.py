@@ -5,7 +5,10 @@ The code that runs is the real run's: moe_trainer.train.make_trainer (device, ke
 group, the mesh), the Trainer (model, parallelize, pipeline stage, DeepSpeed's engine and ZeRO-1,
 the pipeline executor), the EP dispatcher and checkpoint.save / checkpoint.load. What the dry run
 puts in their place, and why, is all here:
+- run_dir.check_shared: met by construction (`one_run_directory`);
 - `materialize` (models/init.py): uninitialised fake tensors on the rank's device (fake_cuda.py);
+- SDPA: the memory-efficient kernel's op, output and log-sum-exp only (`fused_attention`), as a GPU
+  runs it; torch without CUDA would take its math path under fake CUDA and materialise the scores;
 - the EP dispatcher's one host read, the split sizes: the balanced expectation
   (`balanced_splits`), since fake tensors carry no routing;
 - the checkpoint's bytes: each part file gets its real header and a hole the size of its data
@@ -36,6 +39,7 @@ from .fake_cuda import (
     FakeCudaMode,
     MemoryMeter,
     fake_module_conversion,
+    fused_attention,
     install_meter,
     materialize_without_init,
     quiet_fake_tensor_logs,
@@ -92,7 +96,7 @@ def role_of(layout, rank: int, coords) -> tuple:
 
 
 def choose_ranks(spec: str, layout, world: int) -> list[int]:
-    """`all`, `roles` (the lowest rank of each role), or a comma list of ranks."""
+    """`all`, `roles` (the lowest rank of each role), or a comma list of ranks (with rank 0)."""
     from ..mesh import coords
     if spec == "all":
         return list(range(world))
@@ -108,7 +112,7 @@ def choose_ranks(spec: str, layout, world: int) -> list[int]:
     bad = [r for r in ranks if not 0 <= r < world]
     if bad or not ranks:
         raise DryRunError(f"--ranks {spec}: ranks must lie in 0..{world - 1}.")
-    return ranks
+    return sorted(set(ranks) | {0})  # rank 0 writes the checkpoint's state.json, which every reload reads
 
 
 # ----------------------------------------------------------------------------- stand-ins (see the docstring)
@@ -171,6 +175,20 @@ def write_sparse_safetensors(path, tensors, metadata=None) -> str:
         f.write(head)
         f.truncate(len(head) + sum(_size(t.shape, t.dtype) for t in tensors.values()))
     return hashlib.sha256(head).hexdigest()
+
+
+@contextlib.contextmanager
+def one_run_directory():
+    """run_dir.check_shared (every rank sees the marker rank 0 leaves) is met by construction: the
+    simulated ranks share this process's one directory, one after another, so rank 0's marker would
+    be gone before a later rank looks for it."""
+    from ... import run_dir
+    base = run_dir.check_shared
+    run_dir.check_shared = lambda out, rank, world, device: None
+    try:
+        yield
+    finally:
+        run_dir.check_shared = base
 
 
 @contextlib.contextmanager
@@ -341,7 +359,8 @@ class Simulator:
                                 rank=rank, world_size=self.world)
         try:
             mesh_module.build_mesh = build_mesh
-            with mode, fake_module_conversion(), balanced_dispatch(cfg.model), fake_checkpoint_bytes(self.written):
+            with mode, fake_module_conversion(), fused_attention(), one_run_directory(), \
+                    balanced_dispatch(cfg.model), fake_checkpoint_bytes(self.written):
                 trainer_module.materialize = materialize_without_init(
                     device, torch.bfloat16 if cfg.train.dtype in ("bf16", "auto") else None)
                 trainer = make_trainer(cfg, layout)
