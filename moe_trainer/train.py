@@ -298,12 +298,12 @@ def main(argv=None) -> int:
     except ConfigError as e:
         report_error(f"config error: {e}", rank, world, same_on_every_rank=True)
         return 2
+    except CheckpointError as e:
+        report_error(f"error: {e}", rank, world, same_on_every_rank=True)
+        return 2
     try:
         check_inputs(start)
     except (DataError, HFFormatError) as e:
-        report_error(f"error: {e}", rank, world, same_on_every_rank=True)
-        return 2
-    except CheckpointError as e:
         report_error(f"error: {e}", rank, world, same_on_every_rank=True)
         return 2
     if rank == 0:

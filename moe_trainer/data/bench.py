@@ -2,6 +2,7 @@
 Hugging Face datasets' map(num_proc=N): tokens/s and the peak memory of each whole process tree.
 
   python -m moe_trainer.data.bench --mb 500 --workers 2 --dir /tmp/bench_data [--hf-path DIR]
+      [--megatron-path MEGATRON_LM_CHECKOUT [--megatron-pythonpath DIRS]]
 
 The corpus is JSONL generated from the running Python's standard library (each .py file a document,
 repeated with a pass header to the size asked); the tokenizer a byte-level BPE trained on its first
@@ -59,6 +60,19 @@ def make_tokenizer(path: Path, corpus: Path, vocab: int = 16384) -> None:
     tok.save(str(path))
 
 
+def gpt2_files(tokenizer: Path, out: Path) -> tuple[Path, Path]:
+    """The byte-level BPE as GPT-2's vocab.json + merges.txt, what Megatron-LM's GPT2BPETokenizer
+    reads: the same vocabulary (the end-of-text token included) and merges, so both tools make the
+    same ids from the same texts (the run checks the token counts agree)."""
+    model = json.loads(tokenizer.read_text())
+    vocab = dict(model["model"]["vocab"])
+    vocab.update({t["content"]: t["id"] for t in model.get("added_tokens", [])})
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["model"]["merges"]]
+    (out / "vocab.json").write_text(json.dumps(vocab))
+    (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    return out / "vocab.json", out / "merges.txt"
+
+
 def _tree(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
@@ -89,15 +103,19 @@ def _memory(pids: list[int]) -> tuple[int, int]:
 
 def measure(cmd: list[str], env: dict | None = None) -> dict:
     """Wall seconds, peak tree RSS and PSS, and the last stdout line (JSON where the command prints it)."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    peak_rss = peak_pss = 0
-    while proc.poll() is None:
-        rss, pss = _memory(_tree(proc.pid))
-        peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
-        time.sleep(0.1)
-    wall = time.perf_counter() - t0
-    out, err = proc.communicate()
+    import tempfile
+    with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:  # no pipe to fill
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out_f, stderr=err_f, text=True, env=env)
+        peak_rss = peak_pss = 0
+        while proc.poll() is None:
+            rss, pss = _memory(_tree(proc.pid))
+            peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
+            time.sleep(0.1)
+        wall = time.perf_counter() - t0
+        out_f.seek(0)
+        err_f.seek(0)
+        out, err = out_f.read(), err_f.read()
     if proc.returncode != 0:
         raise SystemExit(f"{cmd[:4]} failed: {err[-2000:]}")
     return {"wall_s": wall, "peak_rss_mb": peak_rss / 1e6, "peak_pss_mb": peak_pss / 1e6,
@@ -153,6 +171,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--dir", default="/tmp/moe_trainer_bench_data")
     ap.add_argument("--hf-path", help="a directory holding the datasets package (PYTHONPATH for its run)")
+    ap.add_argument("--megatron-path", help="a Megatron-LM checkout: its tools/preprocess_data.py runs on the same "
+                    "corpus with --tokenizer-type GPT2BPETokenizer (the same BPE as vocab.json + merges.txt)")
+    ap.add_argument("--megatron-pythonpath", default="", help="more PYTHONPATH entries its imports need")
     ap.add_argument("--baseline", nargs=2, metavar=("CORPUS", "TOKENIZER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.baseline:
@@ -180,6 +201,20 @@ def main(argv=None) -> int:
         hf = measure([py, "-c", HF, str(corpus), str(tok), str(args.workers), str(d / "hf_cache")], env)
         rows[f"datasets map(num_proc={args.workers}) (whole command)"] = (json.loads(hf["last"])["tokens"],
                                                                          hf["wall_s"], hf)
+    if args.megatron_path:
+        vocab, merges = gpt2_files(tok, d)
+        path = os.pathsep.join(p for p in (args.megatron_path, args.megatron_pythonpath) if p)
+        env = dict(os.environ, PYTHONPATH=path)
+        prefix = d / "megatron"
+        mlm = measure([py, str(Path(args.megatron_path) / "tools" / "preprocess_data.py"), "--input", str(corpus),
+                       "--output-prefix", str(prefix), "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                       str(vocab), "--merge-file", str(merges), "--append-eod", "--workers", str(args.workers)],
+                      env)
+        from .formats import read_megatron_index
+        (bin_file,) = d.glob("megatron_text_document.bin")
+        index = read_megatron_index(str(bin_file)[:-4])
+        rows[f"Megatron-LM preprocess_data.py --workers {args.workers} (whole command)"] = (
+            int(index.lengths.sum()), mlm["wall_s"], mlm)
     print(f"corpus {corpus} ({size / 1e6:,.0f} MB, BPE vocab 16384), {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}")
     print("| what | tokens | seconds | MB/s | M tokens/s | vs limit | peak RSS (tree) | peak PSS (tree) |")
