@@ -74,34 +74,37 @@ def error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[-1]
 
 
-def test_moe_tiny_all_ranks_json(tmp_path):
-    out = tmp_path / "dry.json"
-    proc = dry_run(["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "1", "--ranks", "all",
-                    "--json", str(out)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["world"] == 2 and report["gpus_per_node"] == 1
-    assert report["groups"]["dp"] == [[0, 1]]
-    assert set(report["ranks"]) == {"0", "1"}
-    for rank in report["ranks"].values():
-        assert rank["peak_bytes"] > 0 and rank["plan_bytes"] > 0
-        # one GPU per node: the dp reductions cross nodes, nothing stays inside one
-        assert rank["inter_node_bytes"] > 0 and rank["intra_node_bytes"] == 0
-
-
-def test_short_schedules_extrapolate_to_the_full_one(tmp_path):
-    """--micro-batches auto (runs of pp and pp + 1 micro-batches) reports what running all 8 does:
-    the same collective counts, bytes and host reads exactly, the same peak (pp in flight either way)."""
+@pytest.fixture(scope="module")
+def tiny_pp2(tmp_path_factory):
+    """moe_tiny at pp 2 on 2 ranks, one GPU per node, 8 micro-batches: the JSON report of running every
+    micro-batch (--micro-batches all) and of the two short schedules extrapolated (auto)."""
     reports = {}
     for mode in ("all", "auto"):
-        out = tmp_path / f"{mode}.json"
-        proc = dry_run(["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "2", "--set",
+        out = tmp_path_factory.mktemp("dry") / f"{mode}.json"
+        proc = dry_run(["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "1", "--set",
                         "parallel.pp=2", "--ranks", "all", "--micro-batches", mode, "--json", str(out)])
         assert proc.returncode == 0, proc.stderr[-3000:]
         reports[mode] = json.loads(out.read_text())
-    assert reports["all"]["micro_batches"] == reports["auto"]["micro_batches"] == 8
+    return reports
+
+
+def test_moe_tiny_all_ranks_json(tiny_pp2):
+    report = tiny_pp2["all"]
+    assert report["world"] == 2 and report["gpus_per_node"] == 1
+    assert report["groups"]["pp"] == [[0, 1]] and report["groups"]["dp"] == [[0], [1]]
+    assert set(report["ranks"]) == {"0", "1"}
+    for rank in report["ranks"].values():
+        assert rank["peak_bytes"] > 0 and rank["plan_bytes"] > 0
+        # one GPU per node: the stages' transfers cross nodes, nothing stays inside one
+        assert rank["inter_node_bytes"] > 0 and rank["intra_node_bytes"] == 0
+
+
+def test_short_schedules_extrapolate_to_the_full_one(tiny_pp2):
+    """--micro-batches auto (runs of pp and pp + 1 micro-batches) reports what running all 8 does:
+    the same collective counts, bytes and host reads exactly, the same peak (pp in flight either way)."""
+    assert tiny_pp2["all"]["micro_batches"] == tiny_pp2["auto"]["micro_batches"] == 8
     for r in ("0", "1"):
-        full, short = reports["all"]["ranks"][r], reports["auto"]["ranks"][r]
+        full, short = tiny_pp2["all"]["ranks"][r], tiny_pp2["auto"]["ranks"][r]
         assert full["micro_batches_run"] == [8] and short["micro_batches_run"] == [2, 3]
         assert full["collectives"]["pp.send"] == 8
         for key in ("collectives", "intra_node_bytes", "inter_node_bytes", "host_reads"):
