@@ -158,7 +158,12 @@ def test_a_stopped_rank_times_out_with_one_line_naming_the_ranks(tmp_path):
     while not _exited(pids[0]) and time.time() - t0 < timeout_s + 60:
         time.sleep(0.2)
     took = time.time() - t0
-    os.kill(pids[1], signal.SIGKILL)  # a frozen rank ignores the launcher's SIGTERM (it waits 30 s, then kills)
+    reaped = time.time() + 30  # the launcher has seen rank 0's exit 4 once it reaped it (no zombie left) ...
+    while Path(f"/proc/{pids[0]}").exists() and time.time() < reaped:
+        time.sleep(0.1)
+    # ... so rank 1's SIGKILL cannot be the failure it reports (it reports the first it sees);
+    # a frozen rank ignores the launcher's SIGTERM (it waits 30 s, then kills)
+    os.kill(pids[1], signal.SIGKILL)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 4, stderr[-3000:]
     # the timeout, CollectiveWatch.ANSWER_S for the answers, and a loaded 2-core machine's slack
