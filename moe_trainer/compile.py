@@ -22,9 +22,17 @@ from .models.lm import CausalLM, lm_loss
 from .models.llama3 import LlamaLayer
 
 
+def enable_unbacked_splits() -> None:
+    """Let dynamo trace the all-to-all split sizes (`.tolist()` of the exchanged counts) as unbacked
+    symbolic ints, so an expert-parallel MoE layer is one graph (dynamo's capture_scalar_outputs,
+    a process-wide setting, as torchtitan sets it for MoE)."""
+    torch._dynamo.config.capture_scalar_outputs = True
+
+
 def compile_regions(model: nn.Module, backend: str = "inductor", fullgraph: bool = False) -> list[str]:
     """Compile every decoder layer, and the head and loss of the CausalLM inside `model` (a whole
     model or a pipeline stage holding one), in place. Returns the compiled modules' names."""
+    enable_unbacked_splits()
     names = []
     for name, module in model.named_modules():
         if isinstance(module, (DecoderLayer, LlamaLayer)):

@@ -78,3 +78,78 @@ def test_short_training_compiled_by_region_equals_eager():
             losses[mode].append(loss.item())
     assert losses["eager"][0] > losses["eager"][-1]  # it trains: a wrong gradient would not descend alike
     torch.testing.assert_close(torch.tensor(losses["compiled"]), torch.tensor(losses["eager"]), rtol=2e-2, atol=0)
+
+
+def _ep2_worker(rank, world, port, results):
+    """A MoE decoder layer at ep 2 (plain and per-node dedup dispatch) on gloo: one graph with no
+    break, fullgraph, and the compiled forward + backward equal to eager over three routings, one
+    of which sends every token to rank 0's experts (rank 1 receives no rows). fp32."""
+    import os
+    import torch.distributed as dist
+    from moe_trainer.compile import enable_unbacked_splits
+    from moe_trainer.parallel.comm import CommCounter
+    from moe_trainer.parallel.expert import AllToAllDispatcher, shard_experts
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    enable_unbacked_splits()
+    out = {}
+    for dedup in (False, True):
+        torch._dynamo.reset()
+        _, model = small_model(torch.float32)
+        layers = {}
+        for mode in ("eager", "compiled"):
+            layer = copy.deepcopy(model.layers["1"])
+            shard_experts(layer.mlp, rank, world)
+            with kernels.using("accelerator"):
+                layer.mlp.dispatcher = AllToAllDispatcher(8, world, dist.group.WORLD, counter=CommCounter(),
+                                                          dedup=dedup)
+            layers[mode] = layer
+        cos, sin = model.rope(32, torch.device("cpu"), torch.float32)
+        h = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(rank))
+        ex = torch._dynamo.explain(layers["compiled"])(h, cos, sin)
+        layers["compiled"].mlp.dispatcher.counter.reset()
+        torch._dynamo.utils.counters.clear()  # count the graphs of the compiled layer only
+        layers["compiled"].compile(backend="aot_eager", fullgraph=True)
+        errors, zero_rows = [], []
+        for step in range(3):
+            x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(10 * step + rank))
+            seen = {}
+            for mode, layer in layers.items():
+                bias = layer.mlp.gate.e_score_correction_bias
+                with torch.no_grad():  # step 2: every token picks rank 0's experts
+                    bias.zero_()
+                    if step == 2:
+                        bias[:4] = 100.0
+                xi = x.clone().requires_grad_()
+                rows_before = layer.mlp.stats[5].item()  # rows this rank's experts computed, summed
+                y, _ = layer(xi, cos, sin)
+                y.square().mean().backward()
+                seen[mode] = [y, xi.grad, layer.mlp.experts.gate_up_proj.grad, layer.self_attn.o_proj.weight.grad]
+                seen[mode + " bytes"] = layer.mlp.dispatcher.counter.reset()
+                if mode == "compiled":
+                    zero_rows.append(layer.mlp.stats[5].item() == rows_before)
+                layer.zero_grad(set_to_none=True)
+            for a, b in zip(seen["compiled"], seen["eager"]):
+                if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
+                    errors.append(f"step {step}: max diff {(a - b).abs().max().item():.3g}")
+            for way in ("sent", "received"):
+                if seen["compiled bytes"][way] != seen["eager bytes"][way]:
+                    errors.append(f"step {step} {way}: {seen['compiled bytes'][way]} vs {seen['eager bytes'][way]}")
+        out["dedup" if dedup else "plain"] = {
+            "graphs": (ex.graph_count, ex.graph_break_count), "reasons": [r.reason[:200] for r in ex.break_reasons],
+            "errors": errors, "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+            "zero_rows": zero_rows}
+    results[rank] = out
+    dist.destroy_process_group()
+
+
+def test_moe_layer_at_ep2_is_one_graph_and_compiled_equals_eager():
+    from conftest import spawn_ranks
+    results = spawn_ranks(_ep2_worker, 2)
+    for rank, out in results.items():
+        for kind, r in out.items():
+            assert r["graphs"] == (1, 0), (rank, kind, r["reasons"])
+            assert not r["errors"], (rank, kind, r["errors"])
+            assert r["unique_graphs"] == 1, (rank, kind, "recompiled for a new routing")
+    assert results[1]["plain"]["zero_rows"] == [False, False, True]  # the skewed step reached rank 1 empty

@@ -14,6 +14,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from .. import kernels
 
@@ -41,7 +42,15 @@ class Experts(nn.Module):
         ints are copied there), gate (M,) or None (the dispatcher applies it on combine) -> (M, d)."""
         if not isinstance(counts, torch.Tensor):
             counts = torch.tensor(counts, dtype=torch.int64, device=x.device)
-        if x.shape[0] == 0:
+        rows = x.shape[0]
+        if torch.compiler.is_compiling() and not guard_or_false(rows > 0):
+            # torch.compile at ep > 1: the rows received are an unbacked size that may be 0, which
+            # the grouped GEMM refuses; one zero row after the last group (no group reads it, and
+            # it is cut off) keeps the graph whole, where eager would branch
+            pad = x.new_zeros(1, x.shape[1])
+            gate = torch.cat([gate, gate.new_zeros(1)]) if gate is not None else None
+            return self.kernels.experts(torch.cat([x, pad]), self.gate_up_proj, self.down_proj, gate, counts)[:rows]
+        if rows == 0:
             # no tokens: keep the weights in the graph so they get (zero) gradients
             return x + 0.0 * (self.gate_up_proj.sum() + self.down_proj.sum()).to(x.dtype)
         return self.kernels.experts(x, self.gate_up_proj, self.down_proj, gate, counts)

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
 
 from ..kernels.cpu.shm_alltoall import RING_BYTES, ShmAllToAll
 from ..metrics import StepClock
@@ -178,9 +179,47 @@ def route_deepspeed_collectives() -> bool:
     return True
 
 
+# ----------------------------------------------------------------------------- all-to-all under torch.compile
+# While dynamo traces a region (train.compile), the expert-parallel all-to-alls go through torch's
+# functional collectives, which dynamo and inductor put in the graph (the c10d ops they stand for
+# run on the group's own backend: NCCL on GPUs, gloo here; the shared-memory transport is not
+# traced). With dynamo's capture_scalar_outputs (compile.py sets it), the split sizes read with
+# .tolist() are unbacked symbolic ints, so a MoE layer at ep > 1 stays one graph: no break at the
+# split-size exchange. Byte counts are still added (dynamo replays the counter's updates after
+# the graph has run); no host clock can be read inside a graph, so the all-to-alls' seconds are
+# not measured per kind under compile, and the backward's bytes are counted when the forward runs
+# (functional collectives carry their own backward: the all-to-all with the splits swapped).
+
+def traced() -> bool:
+    """True while torch.compile traces the calling code."""
+    return torch.compiler.is_compiling()
+
+
+def _functional_group(group):
+    return group if group is not None else dist.group.WORLD
+
+
+def _count_rows(counter: Optional[CommCounter], kind: str, x: torch.Tensor, out_splits, in_splits,
+                group, backward_too: bool = False) -> None:
+    """Bytes of the rows that leave and reach this rank (its own share stays); with backward_too,
+    also kind + "_grad", the backward's all-to-all with the splits swapped."""
+    if counter is None:
+        return
+    me = dist.get_rank(group)
+    row = math.prod(x.shape[1:]) * x.element_size()  # bytes per row; x may have 0 rows
+    sent, received = (sum(in_splits) - in_splits[me]) * row, (sum(out_splits) - out_splits[me]) * row
+    counter.add(kind, sent, received)
+    if backward_too:
+        counter.add(kind + "_grad", received, sent)
+
+
 def all_to_all_single(out: torch.Tensor, x: torch.Tensor, out_splits: Optional[list[int]] = None,
                       in_splits: Optional[list[int]] = None, group=None) -> None:
-    """dist.all_to_all_single, through the group's shared-memory transport when it has one."""
+    """dist.all_to_all_single, through the group's shared-memory transport when it has one (a
+    functional collective while torch.compile traces)."""
+    if traced():
+        out.copy_(fc.all_to_all_single(x.contiguous(), out_splits, in_splits, _functional_group(group)))
+        return
     transport = _SHM_TRANSPORTS.get(group)
     if transport is not None:
         transport.all_to_all_single(out, x, out_splits, in_splits)
@@ -191,7 +230,16 @@ def all_to_all_single(out: torch.Tensor, x: torch.Tensor, out_splits: Optional[l
 def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
                     counter: Optional[CommCounter] = None, kind: str = "all_to_all") -> torch.Tensor:
     """Rows [sum(in_splits), ...] -> rows [sum(out_splits), ...]; differentiable."""
+    if traced():
+        return traced_all_to_all_rows(x, out_splits, in_splits, group, counter, kind)
     return _AllToAll.apply(x, out_splits, in_splits, group, counter, kind)
+
+
+def traced_all_to_all_rows(x: torch.Tensor, out_splits, in_splits, group, counter: Optional[CommCounter],
+                           kind: str) -> torch.Tensor:
+    """all_to_all_rows while torch.compile traces: the differentiable functional collective."""
+    _count_rows(counter, kind, x, out_splits, in_splits, group, backward_too=x.requires_grad)
+    return fc.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, _functional_group(group))
 
 
 def _exchange(x, out_splits, in_splits, group, counter, kind):
@@ -201,9 +249,7 @@ def _exchange(x, out_splits, in_splits, group, counter, kind):
     all_to_all_single(out, x, out_splits, in_splits, group)
     if counter is not None:
         counter.add_span(kind, start)
-        me = dist.get_rank(group)
-        row = math.prod(x.shape[1:]) * x.element_size()  # bytes per row; x may have 0 rows
-        counter.add(kind, (sum(in_splits) - in_splits[me]) * row, (sum(out_splits) - out_splits[me]) * row)
+        _count_rows(counter, kind, x, out_splits, in_splits, group)
     return out
 
 

@@ -51,7 +51,8 @@ from ..moe.dispatcher import (CombineRows, Dispatched, GatherRows, inverse_permu
 from ..models.init import global_view, mark_shard
 from ..moe.experts import Experts
 from ..moe.layer import MoE
-from .comm import CommCounter, _exchange, all_to_all_rows, all_to_all_single, enable_shm_transport
+from .comm import (CommCounter, _exchange, all_to_all_rows, all_to_all_single, enable_shm_transport, traced,
+                   traced_all_to_all_rows)
 from .mesh import Mesh
 from .replicas import LayerPlacement
 
@@ -74,6 +75,15 @@ class _AllToAllGroup(torch.autograd.Function):
     rank runs the backward all-to-alls in the same order (separate nodes could become ready in a
     data-dependent order on different ranks and mismatch gloo's collectives).
     specs: one (out_splits, in_splits, kind) per tensor; backward counts kind + "_grad"."""
+
+    @staticmethod
+    def apply_or_trace(specs, group, counter, *tensors) -> tuple:
+        """apply(); while torch.compile traces, one functional all-to-all per tensor (the compiled
+        backward is one graph, the same on every rank, so its collectives keep one order)."""
+        if not traced():
+            return _AllToAllGroup.apply(specs, group, counter, *tensors)
+        return tuple(traced_all_to_all_rows(t, out, inp, group, counter, kind)
+                     for t, (out, inp, kind) in zip(tensors, specs))
 
     @staticmethod
     def forward(ctx, specs, group, counter, *tensors):
@@ -116,10 +126,10 @@ class AllToAllDispatcher:
             raise ValueError("a placement needs the experts module whose weights it replicates")
 
     def _mark(self):
-        return self.counter.mark() if self.counter is not None else None
+        return self.counter.mark() if self.counter is not None and not traced() else None
 
     def _time(self, kind: str, start) -> None:
-        if self.counter is not None:
+        if start is not None:  # no clock is read inside a compiled graph
             self.counter.add_span(kind, start)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> Dispatched:
@@ -155,9 +165,13 @@ class AllToAllDispatcher:
     @staticmethod
     def _splits(*per_rank: torch.Tensor) -> list[list[int]]:
         """The all-to-all split sizes on the host: THE host sync of an expert-parallel MoE layer,
-        one device-to-host copy of every (ep,) count vector given, per micro-batch."""
+        one device-to-host copy of every (ep,) count vector given, per micro-batch. Under
+        torch.compile (capture_scalar_outputs) they are unbacked symbolic sizes, no graph break."""
         ep = per_rank[0].numel()
         flat = torch.cat(per_rank).tolist()  # host sync (the only one of the layer)
+        if traced():
+            for size in flat:
+                torch._check_is_size(size)
         return [flat[i * ep:(i + 1) * ep] for i in range(len(per_rank))]
 
     def _route(self, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -185,7 +199,7 @@ class AllToAllDispatcher:
         if p is not None:
             specs.append((p.recv_splits, p.send_splits, "expert_weights"))
             tensors.append(self._weight_rows())
-        out = list(_AllToAllGroup.apply(tuple(specs), self.group, self.counter, *tensors))
+        out = list(_AllToAllGroup.apply_or_trace(tuple(specs), self.group, self.counter, *tensors))
         received = out.pop(0)
         meta = out.pop(0) if meta is not None else None
         return received, meta, self._slot_weights(out[0]) if p is not None else None
