@@ -4,13 +4,18 @@ output head and the cross-entropy. Every layer has the same code and shapes, so 
 serves them all (dynamo re-uses the graph and guards per layer's parameters), and parameter names
 do not change (`Module.compile` compiles in place: no `_orig_mod.` prefix in checkpoints).
 
-At ep 1 a MoE layer on the accelerator path is one graph with no break in bf16 and fp32
-(tests/test_compile.py); at ep > 1 the split-size exchange (`.tolist()` in parallel/expert.py, a
-host sync) breaks the layer's graph (ep 2, bf16: 7 graphs, 6 breaks, all from that read), which is
-why the layers are compiled with fullgraph=False. The default is
-off: on CPU ranks the compile costs minutes (about 2 minutes for a tiny MoE layer on 2 cores) for
-a small gain, and scripts/gpu_check.sh measures eager against compiled on a GPU to settle the
-GPU default.
+A MoE layer on the accelerator path is one graph with no break, at ep 1 and at ep > 1 alike
+(tests/test_compile.py): under compile the expert-parallel all-to-alls are torch's functional
+collectives, in the graph, and the split sizes their `.tolist()` reads are unbacked symbolic ints
+(`enable_unbacked_splits`), so the row counts that follow are symbolic and nothing recompiles when
+the routing changes. The host sync itself stays (a collective's split sizes live on the host), one
+per layer and micro-batch, inside the graph. Recomputation (parallel.recompute) inside a compiled
+layer is the partitioner's: the MoE counters are updated once, in the forward graph. The layers are
+compiled with fullgraph=False all the same, so that a graph break from a future change degrades
+speed, not a run. `train.compile_backend: aot_eager` traces the same graphs and runs them op by op
+(what the CPU tests run). The default is off: on CPU ranks the compile costs minutes (about
+2 minutes for a tiny MoE layer on 2 cores) for a small gain, and scripts/gpu_check.sh measures
+eager against compiled on a GPU to settle the GPU default.
 """
 from __future__ import annotations
 

@@ -111,6 +111,9 @@ class TrainConfig:
     # by default: on CPU ranks compiling costs minutes for little, and the GPU default waits for
     # scripts/gpu_check.sh's eager vs compiled tokens/s
     compile: bool = False
+    # inductor (code generation: what runs fast) | aot_eager (dynamo + AOTAutograd, the same graphs run
+    # op by op: what the CPU tests run, and a way to tell a tracing bug from a code-generation bug)
+    compile_backend: str = "inductor"
     checkpoint_every: int = 100  # 0 = only at the end
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | none | <checkpoint path>
@@ -225,6 +228,7 @@ CHOICES = {
     "model.moe_impl": ("grouped", "loop"),
     "train.dtype": ("auto", "fp32", "bf16"),
     "train.grad_accum_dtype": ("fp32", "bf16"),
+    "train.compile_backend": ("inductor", "aot_eager"),
     "parallel.recompute": ("none", "selective", "full"),
     "parallel.schedule": ("1f1b", "gpipe"),
     "parallel.cpu_alltoall": ("shm", "gloo"),

@@ -127,7 +127,10 @@ class Trainer:
         if t.init_from and self.resume_from is None:
             load_initial_weights(self.model, t.init_from)
         if t.compile:  # after the weights are in place, before the engine wraps the model
-            compile_regions(self.model)
+            regions = compile_regions(self.model, backend=t.compile_backend)
+            if self.is_logger:  # each region compiles at its first call: step 1's time holds the compile
+                print(f"torch.compile ({t.compile_backend}): {len(regions)} regions on this stage "
+                      f"({', '.join(regions)}); they compile at their first call, in step 1", flush=True)
         self.engine = build_engine(self.model, cfg, self.layout, mpu=DeepSpeedMPU(mesh))
         if shm:
             route_deepspeed_collectives()

@@ -61,11 +61,16 @@ def test_moe_layer_is_one_graph_and_compiles_fullgraph(dtype):
 
 
 def test_short_training_compiled_by_region_equals_eager():
-    losses = {}
+    """bf16, 3 SGD steps: the compiled model's losses are eager's; with full recomputation inside the
+    compiled layers too, and the MoE layers' token counts are not counted twice by the re-run."""
+    from moe_trainer.parallel.recompute import apply_recompute
+    losses, counts = {}, {}
     ids = torch.randint(0, 320, (2, 33), generator=torch.Generator().manual_seed(1))
-    for mode in ("eager", "compiled"):
-        _, model = small_model(torch.bfloat16, "model.num_hidden_layers=2")
-        if mode == "compiled":
+    for mode in ("eager", "compiled", "compiled+recompute"):
+        cfg, model = small_model(torch.bfloat16, "model.num_hidden_layers=2")
+        if mode == "compiled+recompute":
+            apply_recompute(model, "full")
+        if mode != "eager":
             names = compile_regions(model, backend="aot_eager")
             assert sorted(names) == ["layers.0", "layers.1", "lm_head", "loss_fn", "mtp.0.block", "norm"]
         opt = torch.optim.SGD(model.parameters(), lr=0.2)
@@ -76,8 +81,12 @@ def test_short_training_compiled_by_region_equals_eager():
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses[mode].append(loss.item())
+        counts[mode] = model.layers["1"].mlp.tokens_per_expert.clone()
     assert losses["eager"][0] > losses["eager"][-1]  # it trains: a wrong gradient would not descend alike
-    torch.testing.assert_close(torch.tensor(losses["compiled"]), torch.tensor(losses["eager"]), rtol=2e-2, atol=0)
+    assert counts["eager"].sum() == 3 * 2 * 32 * cfg.model.num_experts_per_tok  # 3 steps of 2 x 32 tokens
+    for mode in ("compiled", "compiled+recompute"):
+        torch.testing.assert_close(torch.tensor(losses[mode]), torch.tensor(losses["eager"]), rtol=2e-2, atol=0)
+        assert counts[mode].sum() == counts["eager"].sum(), mode
 
 
 def _ep2_worker(rank, world, port, results):

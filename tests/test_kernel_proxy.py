@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe_trainer.bench.kernel_proxy import FusedAsOnCuda, OpCounter, count, main
+from moe_trainer.bench.kernel_proxy import FusedAsOnCuda, OpCounter, count, inductor_counts, main
 
 BEFORE_OPS, BEFORE_WRITTEN_PER_TOKEN = 734, 1.280e6
 
@@ -34,3 +34,20 @@ def test_accelerator_path_meets_the_issue_goal_on_the_proxy_model(capsys):
     assert r["bytes_written_per_token"] <= 0.5 * BEFORE_WRITTEN_PER_TOKEN, r["bytes_written_per_token"]
     assert not any(w["op"].startswith(("new_zeros", "index_copy_", "constant_pad_nd")) for w in r["top_writers"])
     assert main(["--cases", "nope"]) == 2 and "--cases takes" in capsys.readouterr().err
+
+
+def test_inductor_counts_fusions_and_extern_gemms():
+    """`--compiled` reads inductor's own counts: relu, mul, add and sum after a matmul (4 eager ops)
+    fuse into at most 2 generated kernels, the matmul stays one extern call, and the kernels' bytes
+    are those of reading the matmul's output once (plus a scalar), not of 4 passes over it."""
+    torch._dynamo.reset()
+    x, w = torch.randn(64, 32), torch.randn(32, 32)
+    f = torch.compile(lambda a, b: (torch.relu(a @ b) * 2 + 1).sum(), backend="inductor", fullgraph=True)
+    with inductor_counts() as c:
+        out = f(x, w)
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, (torch.relu(x @ w) * 2 + 1).sum())
+    assert c["extern_calls"] == 1 and 1 <= c["kernels"] <= 2, c
+    mm_out = 64 * 32 * 4
+    assert mm_out <= c["kernel_bytes"] <= 2 * mm_out, c
+    assert c["extern_bytes"] >= (64 * 32 + 32 * 32 + 64 * 32) * 4, c

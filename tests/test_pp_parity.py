@@ -15,6 +15,10 @@ MTP = ["model.num_nextn_predict_layers=1", "model.seq_aux_loss_alpha=0.001"]
 CASES = {
     "pp2": (2, ["parallel.pp=2"], []),
     "pp2_mtp": (2, ["parallel.pp=2"], MTP),
+    # regional torch.compile (aot_eager: inductor's graphs without its C++ build) with the pipeline
+    # executor, full recomputation inside the compiled layers, MTP and ZeRO-1, against eager on one rank
+    "pp2_mtp_compiled_recompute": (2, ["parallel.pp=2", "train.compile=true", "train.compile_backend=aot_eager",
+                                       "parallel.recompute=full"], MTP),
     "pp2_ep2": (4, ["parallel.pp=2", "parallel.ep=2"], []),
     # stages 0 and 1 hold only dense layers (no MoE state there); the stages' transfers through
     # torch.distributed's batch_isend_irecv (the GPU's path; the other cases use the shared-memory rings)
@@ -31,7 +35,8 @@ def test_pipeline_matches_one_rank(tmp_path, case):
     ref = tmp_path / "one"
     check(launch(1, ref, TINY + STEPS + model, launcher="python"))
     out = tmp_path / case
-    check(launch(world, out, TINY + STEPS + model + layout))
+    proc = check(launch(world, out, TINY + STEPS + model + layout))
+    assert ("torch.compile (aot_eager)" in proc.stdout) == ("train.compile=true" in layout), proc.stdout[-2000:]
     assert_same_steps(ref, out)
     assert_same_final_weights(ref, out)
     if "pp4" in case:  # every rank wrote its own part of the checkpoint

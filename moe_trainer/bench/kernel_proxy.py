@@ -23,7 +23,16 @@ with hidden_size 1024), 2 x 1,024 tokens, whole model with head and loss; `layer
 layer (attention + MoE) of that model; `moe_1b_gpu`: one MoE decoder layer of configs/moe_1b_gpu.yaml
 at its micro-batch (2 x 2,048 tokens).
 
-    python -m moe_trainer.bench.kernel_proxy [--cases model,layer,moe_1b_gpu] [--top 10] [--out F.json]
+Compiled (`--compiled`): the per-layer cases compiled by inductor (fullgraph, bf16, as
+`train.compile` compiles a decoder layer) on real CPU tensors, and inductor's own counts of the
+forward and backward graphs: the kernels it generates (each a fusion of the eager ops above), the
+extern calls it leaves (GEMMs, SDPA), and the bytes its scheduler nodes read and write (inductor's
+`count_bytes`, the figure its metrics log reports). Inductor's scheduler fuses alike for its C++ and
+Triton back ends, so the counts stand for what a GPU would launch, up to the back ends' own rules
+(Triton may split a reduction that C++ keeps whole). Compiling takes minutes on a small CPU.
+
+    python -m moe_trainer.bench.kernel_proxy [--cases model,layer,moe_1b_gpu] [--top 10] [--compiled]
+        [--out F.json]
 """
 from __future__ import annotations
 
@@ -256,6 +265,67 @@ def count(case: str, dtype: torch.dtype = torch.bfloat16, top: int = 10, as_cuda
     }
 
 
+@contextlib.contextmanager
+def inductor_counts():
+    """Inductor's metrics for what compiles inside: yields a dict filled on exit with `kernels`
+    (generated), `extern_calls` (the scheduler's extern nodes: GEMMs, SDPA, fallbacks) and the bytes
+    its scheduler nodes read and write, generated kernels and extern calls apart."""
+    import logging
+    from torch._inductor import metrics
+    log = logging.getLogger("torch._inductor.compile_fx.__inductor_metrics")  # its count_bytes runs at INFO
+    saved = log.level, log.propagate, list(log.handlers)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    log.handlers = [logging.NullHandler()]
+    metrics.reset()
+    out: dict = {}
+    try:
+        yield out
+        nodes = [node for node, _ in metrics.nodes_num_elem]
+        extern = [n for n in nodes if n.is_extern()]
+        extern_bytes = sum(n.get_read_write_buffers_sizes() for n in extern)
+        out.update(kernels=metrics.generated_kernel_count, extern_calls=len(extern),
+                   kernel_bytes=metrics.num_bytes_accessed - extern_bytes, extern_bytes=extern_bytes)
+    finally:
+        log.level, log.propagate, log.handlers = saved[0], saved[1], saved[2]
+
+
+def count_compiled(case: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """One forward + backward of the per-layer `case` compiled by inductor (fullgraph) on CPU
+    tensors: inductor's kernels, extern calls and bytes per layer and per token, the compile's
+    seconds."""
+    cfg, micro_batch, what = _config(case)
+    if what != "layer":
+        raise ValueError(f"the compiled counts are per layer: {case!r} is a whole model")
+    t = cfg.train.seq_len
+    tokens = micro_batch * t
+    torch._dynamo.reset()
+    with kernels.using("accelerator"):
+        module = DecoderLayer(cfg.model, cfg.model.first_k_dense_replace)
+        for p in module.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        module = module.to(dtype)
+        h = torch.randn(micro_batch, t, cfg.model.hidden_size, generator=torch.Generator().manual_seed(0))
+        h = h.to(dtype).requires_grad_()
+        cos = torch.ones(t, cfg.model.qk_rope_head_dim, dtype=dtype)
+        sin = torch.zeros_like(cos)
+        module.compile(backend="inductor", fullgraph=True)
+        start = time.perf_counter()
+        with inductor_counts() as c:
+            module(h, cos, sin)[0].float().sum().backward()
+        seconds = time.perf_counter() - start
+    torch._dynamo.reset()
+    return {"case": case, "dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "moe_layers": 1,
+            **c, "kernel_bytes_per_token": c["kernel_bytes"] / tokens, "first_call_s": seconds}
+
+
+def describe_compiled(r: dict) -> str:
+    return (f"{r['case']} compiled by inductor ({r['dtype']}, {r['tokens']:,} tokens, 1 MoE layer): "
+            f"{r['kernels']} generated kernels, {r['kernel_bytes'] / 1e9:.3f} GB read and written by them "
+            f"({r['kernel_bytes_per_token'] / 1e6:.3f} MB/token); {r['extern_calls']} extern calls (GEMMs, SDPA) "
+            f"moving {r['extern_bytes'] / 1e9:.3f} GB; first forward + backward (the compile) {r['first_call_s']:.0f} s")
+
+
 def describe(r: dict) -> str:
     g, s, tok = r["gemm"], r["sdpa"], r["tokens"]
     how = "" if r["as_cuda"] else ", CPU decompositions"
@@ -276,20 +346,26 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--out", default="")
     ap.add_argument("--as-cpu", action="store_true", help="count rms_norm and SDPA as a CPU decomposes them")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also compile the per-layer cases with inductor and report its own counts (minutes)")
     a = ap.parse_args(argv)
     names = [c.strip() for c in a.cases.split(",") if c.strip()]
     unknown = [c for c in names if c not in CASES]
     if unknown or not names:
         print(f"bench.kernel_proxy: --cases takes {', '.join(CASES)}, got {a.cases!r}.", file=sys.stderr)
         return 2
-    results = []
+    results, compiled = [], []
     for name in names:
         results.append(count(name, top=a.top, as_cuda=not a.as_cpu))
         print(describe(results[-1]), flush=True)
+    for name in names if a.compiled else []:
+        if CASES[name][3] == "layer":
+            compiled.append(count_compiled(name))
+            print(describe_compiled(compiled[-1]), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps({"command": "python -m moe_trainer.bench.kernel_proxy " + " ".join(
             argv if argv is not None else sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M"),
-            "torch": torch.__version__, "results": results}, indent=1))
+            "torch": torch.__version__, "results": results, "compiled": compiled}, indent=1))
     return 0
 
 

@@ -44,6 +44,11 @@ def _checkpointed(fn, owner: nn.Module):
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            # inside a compiled region (train.compile) the recomputation is the partitioner's: it
+            # re-runs the forward's ops in the backward graph, while the counters' updates (buffer
+            # mutations) stay in the forward graph, once
+            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
         return checkpoint(fn, *args, use_reentrant=False,
                           context_fn=lambda: (contextlib.nullcontext(), _KeepCounters(owner)), **kwargs)
     return run
