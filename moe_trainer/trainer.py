@@ -630,8 +630,15 @@ class Trainer:
         """The step's time and its split (what Interval averages between log steps)."""
         seconds = r["comm"].get("seconds", {})
         # the split's share of the dispatch/combine all-to-alls (forward and backward)
-        a2a = sum(s for k, s in seconds.items() if k.startswith(("dispatch", "combine")))
-        return {"step_time_s": r["step_time"], **r["times"].as_dict(), "time.all_to_all_s": a2a}
+        ep_kinds = ("dispatch", "combine")
+        a2a = sum(s for k, s in seconds.items() if k.startswith(ep_kinds))
+        out = {"step_time_s": r["step_time"], **r["times"].as_dict()}
+        # inside compiled layers (train.compile) the all-to-alls are counted but not timed (no clock
+        # mark in a graph): then no figure rather than 0
+        moved = any(k.startswith(ep_kinds) for k in r["comm"].get("sent", {}))
+        if any(k.startswith(ep_kinds) for k in seconds) or not moved:
+            out["time.all_to_all_s"] = a2a
+        return out
 
     def log(self, r: dict) -> dict:
         """The log step's record: throughput, MFU and the step-time split as means over the steps

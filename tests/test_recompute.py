@@ -8,7 +8,7 @@ from moe_trainer.models.registry import build_model, moe_layers
 from moe_trainer.parallel.pipeline import ActivationMeter
 from moe_trainer.parallel.recompute import apply_recompute
 
-from conftest import ROOT, TINY, check, launch, train_grad_norms, train_losses
+from conftest import ROOT, TINY, check, launch, read_metrics, train_grad_norms, train_losses
 
 
 def _run(arch: str, mode: str):
@@ -53,6 +53,15 @@ def test_recompute_through_the_trainer(tmp_path):
     proc = check(launch(2, tmp_path / "compiled", base + ["parallel.recompute=selective", "train.compile=true",
                                                            "train.compile_backend=aot_eager"]))
     assert "torch.compile (aot_eager): 6 regions" in proc.stdout, proc.stdout[-2000:]
+    # the compiled layers count the all-to-all bytes as eager does (fp32: the same routing), once per
+    # step and direction; they do not time them (no clock mark inside a graph): no figure, not 0
+    eager, compiled = ({r["step"]: r for r in read_metrics(tmp_path / run) if "loss" in r}
+                       for run in ("none", "compiled"))
+    for s, r in compiled.items():
+        assert "time.all_to_all_s" not in r and "time.all_to_all_s" in eager[s], (s, sorted(r))
+        for key in ("comm.dispatch_sent_bytes", "comm.combine_received_bytes", "comm.dispatch_grad_received_bytes",
+                    "comm.combine_grad_sent_bytes"):
+            assert r[key] == eager[s][key] > 0, (s, key, r[key], eager[s][key])
     for run in ("full", "compiled"):
         for read in (train_losses, train_grad_norms):  # the norm before clipping keeps a gradient's scale
             a, b = read(tmp_path / "none"), read(tmp_path / run)

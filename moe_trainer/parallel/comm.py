@@ -16,11 +16,20 @@ from ..kernels.cpu.shm_alltoall import RING_BYTES, ShmAllToAll
 from ..metrics import StepClock
 
 
+# the kinds an expert-parallel MoE layer counts inside a torch.compile graph (parallel/expert.py)
+GRAPH_KINDS = tuple(k + grad for k in ("all_to_all", "dispatch", "dispatch_meta", "expert_weights", "combine")
+                    for grad in ("", "_grad"))
+
+
 class CommCounter:
     """Bytes this rank sent and received per kind of collective since reset(), and the seconds
     spent in them (`seconds`, per kind, including the wait for the slowest peer). Times are spans
     of StepClock marks (CUDA events on a GPU, where a collective does not block the host; the
-    host clock elsewhere), read by reset() after the step's host sync."""
+    host clock elsewhere), read by reset() after the step's host sync.
+
+    Inside a torch.compile graph the bytes go into `in_graph` (a host tensor, one row of sent,
+    received and calls per GRAPH_KINDS entry) by in-place adds the graph performs: Python ints
+    updated there would be guards on their values, and each new total a recompile."""
 
     def __init__(self, clock: Optional[StepClock] = None):
         self.clock = clock or StepClock()
@@ -28,6 +37,8 @@ class CommCounter:
         self.received: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
         self.spans: list = []  # (kind, start mark, end mark)
+        self.in_graph = torch.zeros(len(GRAPH_KINDS), 3, dtype=torch.int64)
+        self.graph_counted = False  # set by compiled graphs (a stored attribute: no guard on it)
 
     def mark(self):
         return self.clock.mark()
@@ -37,6 +48,16 @@ class CommCounter:
         self.spans.append((kind, start, self.clock.mark() if end is None else end))
 
     def add(self, kind: str, sent: int, received: int) -> None:
+        if torch.compiler.is_compiling():  # sent, received: symbolic sizes of this call's splits
+            if kind not in GRAPH_KINDS:
+                raise ValueError(f"CommCounter: kind {kind!r} counted inside a compiled graph is not one of "
+                                 f"GRAPH_KINDS {GRAPH_KINDS}")
+            row = self.in_graph[GRAPH_KINDS.index(kind)]
+            row[0].add_(sent)
+            row[1].add_(received)
+            row[2].add_(1)
+            self.graph_counted = True
+            return
         self.sent[kind] += sent
         self.received[kind] += received
 
@@ -47,6 +68,13 @@ class CommCounter:
         for kind, start, end in self.spans:
             self.seconds[kind] += clock.seconds(start, end)
         self.spans.clear()
+        if self.graph_counted:
+            for kind, (sent, received, calls) in zip(GRAPH_KINDS, self.in_graph.tolist()):  # a host tensor
+                if calls:
+                    self.sent[kind] += sent
+                    self.received[kind] += received
+            self.in_graph.zero_()
+            self.graph_counted = False
         out = {"sent": dict(self.sent), "received": dict(self.received), "seconds": dict(self.seconds)}
         self.sent.clear()
         self.received.clear()
