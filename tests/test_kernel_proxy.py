@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe_trainer.bench.kernel_proxy import FusedAsOnCuda, OpCounter, count, inductor_counts, main
+from moe_trainer.bench.kernel_proxy import (FusedAsOnCuda, OpCounter, attention_as_one_kernel, count,
+                                            inductor_counts, main)
 
 BEFORE_OPS, BEFORE_WRITTEN_PER_TOKEN = 734, 1.280e6
 
@@ -47,7 +48,33 @@ def test_inductor_counts_fusions_and_extern_gemms():
         out = f(x, w)
     torch._dynamo.reset()
     torch.testing.assert_close(out, (torch.relu(x @ w) * 2 + 1).sum())
-    assert c["extern_calls"] == 1 and 1 <= c["kernels"] <= 2, c
+    assert c["extern_calls"] == 1 and c["fallbacks"] == 0 and 1 <= c["kernels"] <= 2, c
     mm_out = 64 * 32 * 4
     assert mm_out <= c["kernel_bytes"] <= 2 * mm_out, c
     assert c["extern_bytes"] >= (64 * 32 + 32 * 32 + 64 * 32) * 4, c
+
+
+def test_compiled_attention_is_one_extern_call_each_way_with_sdpa_gradients():
+    """The compiled proxy's attention (MLA's two head sizes): one opaque call forward and one
+    backward, no generated kernel over (T, T) scores, and the same output and gradients as SDPA."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    # (B, T, H, D) transposed to (B, H, T, D), as attention's inputs are: views with a model's strides
+    q, k, v = (torch.randn(2, 64, 4, d, generator=g).transpose(1, 2).requires_grad_() for d in (24, 24, 16))
+
+    def attn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3).square().sum()
+
+    f = torch.compile(attn, backend="inductor", fullgraph=True)
+    with attention_as_one_kernel(), inductor_counts() as c:
+        f(q, k, v).backward()
+    torch._dynamo.reset()
+    got = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    attn(q, k, v).backward()
+    for a, b in zip(got, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(a, b)
+    assert c["extern_calls"] == 2 and c["fallbacks"] == 0, c
+    scores = 2 * 4 * 64 * 64 * 4
+    assert c["kernel_bytes"] < scores, c  # square, sum and its backward over the (2, 4, 64, 16) output only

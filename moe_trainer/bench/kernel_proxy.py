@@ -26,8 +26,11 @@ at its micro-batch (2 x 2,048 tokens).
 Compiled (`--compiled`): the per-layer cases compiled by inductor (fullgraph, bf16, as
 `train.compile` compiles a decoder layer) on real CPU tensors, and inductor's own counts of the
 forward and backward graphs: the kernels it generates (each a fusion of the eager ops above), the
-extern calls it leaves (GEMMs, SDPA), and the bytes its scheduler nodes read and write (inductor's
-`count_bytes`, the figure its metrics log reports). Inductor's scheduler fuses alike for its C++ and
+aten ops it falls back to (sort, top-k, gathers), the extern GEMM and attention calls, and the bytes
+its scheduler nodes read and write (inductor's `count_bytes`, the figure its metrics log reports).
+Causal attention is one opaque op each way, as a GPU's fused kernel is (on a CPU, MLA's two head
+sizes would send SDPA to its math path, which inductor decomposes over materialised scores).
+Inductor's scheduler fuses alike for its C++ and
 Triton back ends, so the counts stand for what a GPU would launch, up to the back ends' own rules
 (Triton may split a reduction that C++ keeps whole). Compiling takes minutes on a small CPU.
 
@@ -265,13 +268,92 @@ def count(case: str, dtype: torch.dtype = torch.bfloat16, top: int = 10, as_cuda
     }
 
 
+# ----------------------------------------------------------------------------- compiled
+
+_SDPA = torch._C._nn.scaled_dot_product_attention  # F's own function, which attention_as_one_kernel replaces
+
+@torch.library.custom_op("moe_trainer_proxy::causal_attention", mutates_args=())
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      enable_gqa: bool) -> torch.Tensor:
+    """Causal SDPA as one opaque op, so inductor keeps it an extern call, as it keeps a GPU's fused
+    attention kernel: on a CPU, with MLA's two head sizes, it would decompose SDPA's math path into
+    generated kernels over materialised (B, H, T, T) scores, bytes a GPU never moves."""
+    return _SDPA(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa).contiguous()
+
+
+@_causal_attention.register_fake
+def _(q, k, v, scale, enable_gqa):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+@torch.library.custom_op("moe_trainer_proxy::causal_attention_backward", mutates_args=())
+def _causal_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               scale: float, enable_gqa: bool) -> list[torch.Tensor]:
+    # the math path's gradients, in fp32 (autograd does not run inside a custom op's kernel)
+    groups = q.shape[1] // k.shape[1]
+    qf, kf, vf, gf = (t.float() for t in (q, k, v, grad))
+    kf, vf = kf.repeat_interleave(groups, dim=1), vf.repeat_interleave(groups, dim=1)
+    t, s = q.shape[-2], k.shape[-2]
+    scores = (qf @ kf.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(torch.ones(t, s, dtype=torch.bool).triu(s - t + 1), float("-inf"))
+    p = scores.softmax(-1)
+    dv = p.transpose(-1, -2) @ gf
+    dp = gf @ vf.transpose(-1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    dq, dk = (ds @ kf) * scale, (ds.transpose(-1, -2) @ qf) * scale
+    if groups > 1:  # each key/value head's gradient sums over the query heads that share it
+        dk, dv = (x.unflatten(1, (k.shape[1], groups)).sum(2) for x in (dk, dv))
+    return [dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()]
+
+
+@_causal_attention_backward.register_fake
+def _(grad, q, k, v, scale, enable_gqa):
+    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)]  # contiguous, as the kernel's
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, ctx.scale, ctx.enable_gqa = inputs
+    ctx.save_for_backward(q, k, v)
+
+
+def _attention_backward(ctx, grad):
+    q, k, v = ctx.saved_tensors
+    dq, dk, dv = torch.ops.moe_trainer_proxy.causal_attention_backward(grad, q, k, v, ctx.scale, ctx.enable_gqa)
+    return dq, dk, dv, None, None
+
+
+_causal_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+@contextlib.contextmanager
+def attention_as_one_kernel():
+    """F.scaled_dot_product_attention's causal calls without a mask as the opaque op above."""
+    base = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None or not is_causal or dropout_p:
+            return base(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return torch.ops.moe_trainer_proxy.causal_attention(q, k, v, scale, enable_gqa)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = base
+
+
 @contextlib.contextmanager
 def inductor_counts():
-    """Inductor's metrics for what compiles inside: yields a dict filled on exit with `kernels`
-    (generated), `extern_calls` (the scheduler's extern nodes: GEMMs, SDPA, fallbacks) and the bytes
-    its scheduler nodes read and write, generated kernels and extern calls apart."""
+    """Inductor's metrics for what compiles inside, filled on exit into the yielded dict: `kernels`
+    (generated, each a fusion), `fallbacks` (aten ops inductor calls as they are: sort, top-k,
+    cumsum, scatter, gathers), `kernel_bytes` (what both read and write: the glue outside the GEMMs),
+    `extern_calls` and `extern_bytes` (the GEMMs and attention), all from inductor's own per-node
+    byte count (`count_bytes`, what its metrics log reports)."""
     import logging
-    from torch._inductor import metrics
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config, metrics
     log = logging.getLogger("torch._inductor.compile_fx.__inductor_metrics")  # its count_bytes runs at INFO
     saved = log.level, log.propagate, list(log.handlers)
     log.setLevel(logging.INFO)
@@ -279,15 +361,26 @@ def inductor_counts():
     log.handlers = [logging.NullHandler()]
     metrics.reset()
     out: dict = {}
-    try:
-        yield out
-        nodes = [node for node, _ in metrics.nodes_num_elem]
-        extern = [n for n in nodes if n.is_extern()]
-        extern_bytes = sum(n.get_read_write_buffers_sizes() for n in extern)
-        out.update(kernels=metrics.generated_kernel_count, extern_calls=len(extern),
-                   kernel_bytes=metrics.num_bytes_accessed - extern_bytes, extern_bytes=extern_bytes)
-    finally:
-        log.level, log.propagate, log.handlers = saved[0], saved[1], saved[2]
+    # a graph served from inductor's caches skips the scheduler, which is what counts: compile afresh
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        try:
+            yield out
+            compute, fallbacks = [], []
+            for node, _ in metrics.nodes_num_elem:
+                if not node.is_extern():
+                    continue
+                name = getattr(node.node, "python_kernel_name", None) or type(node.node).__name__
+                if name.rsplit(".", 1)[-1] in ("mm", "bmm", "addmm", "_grouped_mm") or "grouped_mm" in name \
+                        or "causal_attention" in name:
+                    compute.append(node)
+                elif type(node.node).__name__ != "MultiOutput":  # a tuple's unpacking, no work
+                    fallbacks.append(node)
+            extern_bytes = sum(n.get_read_write_buffers_sizes() for n in compute)
+            out.update(kernels=metrics.generated_kernel_count, fallbacks=len(fallbacks),
+                       kernel_bytes=metrics.num_bytes_accessed - extern_bytes, extern_calls=len(compute),
+                       extern_bytes=extern_bytes)
+        finally:
+            log.level, log.propagate, log.handlers = saved[0], saved[1], saved[2]
 
 
 def count_compiled(case: str, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -311,7 +404,7 @@ def count_compiled(case: str, dtype: torch.dtype = torch.bfloat16) -> dict:
         sin = torch.zeros_like(cos)
         module.compile(backend="inductor", fullgraph=True)
         start = time.perf_counter()
-        with inductor_counts() as c:
+        with attention_as_one_kernel(), inductor_counts() as c:
             module(h, cos, sin)[0].float().sum().backward()
         seconds = time.perf_counter() - start
     torch._dynamo.reset()
@@ -322,7 +415,8 @@ def count_compiled(case: str, dtype: torch.dtype = torch.bfloat16) -> dict:
 def describe_compiled(r: dict) -> str:
     return (f"{r['case']} compiled by inductor ({r['dtype']}, {r['tokens']:,} tokens, 1 MoE layer): "
             f"{r['kernels']} generated kernels, {r['kernel_bytes'] / 1e9:.3f} GB read and written by them "
-            f"({r['kernel_bytes_per_token'] / 1e6:.3f} MB/token); {r['extern_calls']} extern calls (GEMMs, SDPA) "
+            f"and {r['fallbacks']} fallback aten calls ({r['kernel_bytes_per_token'] / 1e6:.3f} MB/token); "
+            f"{r['extern_calls']} GEMM and attention calls "
             f"moving {r['extern_bytes'] / 1e9:.3f} GB; first forward + backward (the compile) {r['first_call_s']:.0f} s")
 
 
