@@ -9,13 +9,18 @@ A MoE layer on the accelerator path is one graph with no break, at ep 1 and at e
 collectives, in the graph, and the split sizes their `.tolist()` reads are unbacked symbolic ints
 (`enable_unbacked_splits`), so the row counts that follow are symbolic and nothing recompiles when
 the routing changes. The host sync itself stays (a collective's split sizes live on the host), one
-per layer and micro-batch, inside the graph. Recomputation (parallel.recompute) inside a compiled
+per layer and micro-batch, inside the graph. The bytes the all-to-alls move are counted by in-place
+adds to a host tensor (CommCounter.in_graph: Python ints there would be guarded, and every new total
+would recompile); their time is not measured inside a graph, so such runs log no
+`time.all_to_all_s`. Recomputation (parallel.recompute) inside a compiled
 layer is the partitioner's: the MoE counters are updated once, in the forward graph. The layers are
 compiled with fullgraph=False all the same, so that a graph break from a future change degrades
 speed, not a run. `train.compile_backend: aot_eager` traces the same graphs and runs them op by op
-(what the CPU tests run). The default is off: on CPU ranks the compile costs minutes (about
-2 minutes for a tiny MoE layer on 2 cores) for a small gain, and scripts/gpu_check.sh measures
-eager against compiled on a GPU to settle the GPU default.
+(what the CPU tests run). The default is off: on CPU ranks the default path is the CPU back end
+in fp32, and the compile costs about a minute on 2 cores (configs/moe_tiny.yaml on the accelerator
+path in bf16, on a Zen 4: a 59 s first step, then steps 0.70x eager's on one rank and no gain at
+ep 2; docs/BENCHMARKS.md); scripts/gpu_check.sh measures eager against compiled on a GPU to settle
+the GPU default.
 """
 from __future__ import annotations
 
