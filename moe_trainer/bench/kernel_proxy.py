@@ -272,6 +272,7 @@ def count(case: str, dtype: torch.dtype = torch.bfloat16, top: int = 10, as_cuda
 
 _SDPA = torch._C._nn.scaled_dot_product_attention  # F's own function, which attention_as_one_kernel replaces
 
+
 @torch.library.custom_op("moe_trainer_proxy::causal_attention", mutates_args=())
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       enable_gqa: bool) -> torch.Tensor:
