@@ -7,7 +7,8 @@
 # compiled run's compile time is a guess of 1-2 minutes). Everything it writes (the tests' runs, the
 # throughput runs and their final checkpoints, ~34 GB for moe_1b_gpu) goes under one scratch directory
 # in TMPDIR, deleted when the script ends, however it ends.
-# Usage: ./scripts/gpu_check.sh [--quick]   (--quick: fewer steps per throughput run)
+# Usage: ./scripts/gpu_check.sh [--quick] [--no-tests]   (--quick: fewer steps per throughput run;
+# --no-tests: the throughput runs alone, e.g. after the tests ran under their own time limit)
 source "$(dirname "$0")/_env.sh"
 install_project "[test]"
 START=$SECONDS
@@ -25,13 +26,22 @@ GPUS="$("$VPY" -c "import torch; print(torch.cuda.device_count())")"
 if [ "$GPUS" -lt 2 ]; then
   echo "gpu_check: one GPU here, so the ep 2 / pp 2 / pp 2 x ep 2 comparisons over NCCL skip (they need 2 or 4 GPUs)."
 fi
-set +e
-"$VPY" -m pytest -q -p no:xdist -m gpu --basetemp "$WORK/pytest" tests/test_gpu.py
-TESTS=$?
-set -e
-echo "gpu_check: tests done after $((SECONDS - START)) s (pytest exit $TESTS)"
-STEPS=20; WARM=6
-if [ "${1:-}" = "--quick" ]; then STEPS=12; WARM=4; fi
+STEPS=20; WARM=6; RUN_TESTS=1
+for ARG in "$@"; do
+  case "$ARG" in
+    --quick) STEPS=12; WARM=4 ;;
+    --no-tests) RUN_TESTS=0 ;;
+    *) echo "gpu_check: unknown argument '$ARG' (valid: --quick, --no-tests)." >&2; exit 2 ;;
+  esac
+done
+TESTS=0
+if [ "$RUN_TESTS" = 1 ]; then
+  set +e
+  "$VPY" -m pytest -q -p no:xdist -m gpu --basetemp "$WORK/pytest" tests/test_gpu.py
+  TESTS=$?
+  set -e
+  echo "gpu_check: tests done after $((SECONDS - START)) s (pytest exit $TESTS)"
+fi
 # moe_1b_gpu runs twice, eager and with train.compile=true (regional torch.compile, moe_trainer/compile.py):
 # the two lines settle the GPU default of train.compile. The compiled run's first steps include the
 # compilation (printed apart: its step 1 time); the median skips them with the other warm-up steps.

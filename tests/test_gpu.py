@@ -55,19 +55,32 @@ def on_cuda(monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
 
 
-@pytest.mark.gpu
-@needs_cuda
-def test_model_matches_transformers_in_bf16_on_cuda(tmp_path):
-    from test_hf_interop import ds_config, hf_model, ids
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_model_in_bf16_is_as_close_to_fp32_as_transformers_is(device, tmp_path):
+    """Our bf16 logits (accelerator kernels) are as close to the fp32 logits as transformers' own bf16
+    DeepseekV3ForCausalLM's, token by token over 256 tokens: the median and 90th percentile of the
+    per-token relative error within 1.25x of transformers', and as few tokens far off (> 0.1) give or
+    take 2%. A whole-tensor norm is no measure here: where bf16 rounding flips a token's top-k expert
+    choice, that token's logits move by 0.3-0.9 of their norm in either model, and which tokens flip
+    differs between two correct bf16 models (the first H200 run, 2026-12-04, failed the old 3e-2 bound
+    on the norm over 32 tokens with 0.053, the same figure this CPU gives: one flipped token)."""
+    from test_hf_interop import ds_config, hf_model
     cfg = ds_config(attn_implementation="sdpa")
-    hf = hf_model(cfg)
+    hf = hf_model(cfg).eval()
     hf.save_pretrained(tmp_path)
     with kernels.using("accelerator"):
-        ours = from_hf(tmp_path).to(CUDA, torch.bfloat16).eval()
-    hf = hf.to(CUDA, torch.bfloat16)
-    x = ids(cfg.vocab_size).to(CUDA)
-    with torch.no_grad():
-        assert rel(ours(x).logits, hf(x).logits) < 3e-2
+        ours = from_hf(tmp_path).to(device, torch.bfloat16).eval()
+    hf = hf.to(device)
+    x = torch.randint(0, cfg.vocab_size, (16, 16), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad(), kernels.using("accelerator"):
+        ref = hf(x).logits.float()
+        errors = {}
+        for name, logits in (("ours", ours(x).logits), ("transformers", hf.to(torch.bfloat16)(x).logits)):
+            errors[name] = ((logits.float() - ref).norm(dim=-1) / ref.norm(dim=-1)).flatten().cpu()
+    ours_e, hf_e = errors["ours"], errors["transformers"]
+    for q in (0.5, 0.9):
+        assert ours_e.quantile(q) <= 1.25 * hf_e.quantile(q), (q, ours_e.quantile(q), hf_e.quantile(q))
+    assert (ours_e > 0.1).sum() <= (hf_e > 0.1).sum() + 0.02 * ours_e.numel(), (ours_e > 0.1).sum()
 
 
 def moe_layers(device: torch.device, dtype: torch.dtype, names: tuple[str, ...], starve: bool = False) -> dict:
