@@ -15,7 +15,8 @@ import yaml
 from moe_trainer.config import ConfigError, ModelConfig, given_keys
 from moe_trainer.resolve import load_config
 from moe_trainer.data import open_data
-from moe_trainer.hf import hf_config_to_model_config, load_initial_weights
+from moe_trainer.hf import hf_config_to_model_config
+from moe_trainer.init_from import load_initial_weights
 from moe_trainer.models.registry import build_model
 from moe_trainer.run_dir import parameter_counts, plan_start
 
