@@ -9,6 +9,7 @@ from the files' headers first, with hf.check_keys_and_shapes, as hf.load_checked
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from .config import ModelConfig
 from .hf import (_EXPERT_KEY, _IGNORED, HFFormatError, _checkpoint_files, _listing, check_keys_and_shapes,
-                 hf_to_our_name, our_to_hf_name, read_config)
+                 check_same_model, hf_dir_model, hf_to_our_name, our_to_hf_name, read_config)
 from .models.init import global_view, is_expert_param
 
 BIAS = "e_score_correction_bias"
@@ -211,6 +212,31 @@ def is_run_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / "manifest.json").is_file()
 
 
+def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
+    """train.init_from: continue a Hugging Face DeepSeek-V3 / Llama checkpoint
+    directory, a safetensors file of our names, or a run checkpoint directory.
+    A Hugging Face directory must describe the same architecture as model.*.
+    `model` may be one rank's part (a stage, its experts, its TP shards): only the rows it
+    holds are read."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        return load_weights_or_checkpoint(model, path)
+    check_same_model(model.cfg, hf_dir_model(path), [f.name for f in dataclasses.fields(ModelConfig)], path)
+    load_hf_dir(model, model.cfg, path)
+
+
+def load_weights_or_checkpoint(model: torch.nn.Module, path: Path) -> None:
+    """Load a safetensors file keyed by our names, or a run checkpoint directory
+    (checkpoints/step_N/), into `model` (the whole model or one rank's part of it)."""
+    path = Path(path)
+    if is_run_checkpoint(path):
+        return load_run_checkpoint(model, model.cfg, path)
+    if not path.is_file():
+        raise HFFormatError(f"weights {path} is neither a safetensors file nor a checkpoint directory with a "
+                            f"manifest.json.")
+    load_weights_file(model, model.cfg, path)
+
+
 
 # ----------------------------------------------------------------------------- checked before the start
 
@@ -218,7 +244,6 @@ def check_source(cfg: ModelConfig, path: Path) -> None:
     """train.init_from's headers against the model, before any process group or engine: its files
     open as safetensors (a truncated file fails here), its key set and every global shape are the
     model's. Reads headers only; the weights are read later, by each rank for its own part."""
-    from .hf.weights_file import check_same_model, hf_dir_model
     path = Path(path)
     if is_run_checkpoint(path):
         from .checkpoint import CheckpointError, Index
@@ -228,7 +253,6 @@ def check_source(cfg: ModelConfig, path: Path) -> None:
             raise HFFormatError(f"train.init_from {path}: {e}") from None
         return
     if (path / "config.json").is_file():
-        import dataclasses
         check_same_model(cfg, hf_dir_model(path), [f.name for f in dataclasses.fields(ModelConfig)], path)
         quant = read_config(path).get("quantization_config")
         block = list(quant.get("weight_block_size") or [128, 128]) if quant is not None else None

@@ -13,7 +13,8 @@ import os
 import sys
 
 from .checkpoint import CheckpointError
-from .config import ConfigError, load_config, validate_layout
+from .config import ConfigError, validate_layout
+from .resolve import load_config
 from .hf import HFFormatError
 from .train import _single_process_env, exit_without_final_collection, local_world_size, make_trainer, parse_args
 

@@ -36,7 +36,8 @@ from typing import Optional
 
 import yaml
 
-from .config import Config, ConfigError, config_from_dict, flatten
+from .config import Config, ConfigError, flatten
+from .resolve import config_from_dict
 
 # keys a resume may change: they decide how and how long the same training runs, not what it computes
 RESUMABLE = ("run.out_dir", "train.max_steps", "train.stop_at_step", "train.micro_batch_size",

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from .checkpoint import CheckpointError
-from .config import ConfigError, DataVocabError, given_values, load_config, validate_layout
+from .config import ConfigError, given_values, validate_layout
+from .resolve import DataVocabError, load_config
 from .data import DataError
 from .hf import HFFormatError
 

@@ -28,7 +28,7 @@ from .config import Config, Layout, TrainConfig
 from .data import DataError, MixtureSource, open_run_data, run_data_dir
 from .data.documents import document_ids, document_positions
 from .expert_load.tracker import ExpertLoadTracker
-from .hf import load_initial_weights
+from .init_from import load_initial_weights
 from .metrics import Interval, MetricSink, StepClock, peak_memory_gb, peak_tflops, train_flops_per_token
 from .models.init import materialize
 from .compile import compile_regions

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_trainer import kernels
-from moe_trainer.config import load_config
+from moe_trainer.resolve import load_config
 from moe_trainer.kernels.accelerator import group_ends  # also registers torch.ops.moe_trainer
 from moe_trainer.models.registry import build_model, moe_layers
 from moe_trainer.moe.experts import Experts

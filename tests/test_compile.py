@@ -14,7 +14,7 @@ import torch
 
 from moe_trainer import kernels
 from moe_trainer.compile import compile_regions
-from moe_trainer.config import load_config
+from moe_trainer.resolve import load_config
 from moe_trainer.models.registry import build_model
 
 from conftest import ROOT

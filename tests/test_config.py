@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from moe_trainer.config import ConfigError, load_config, validate_layout
+from moe_trainer.config import ConfigError, validate_layout
+from moe_trainer.resolve import load_config
 from moe_trainer.parallel.zero import deepspeed_config
 
 from conftest import ROOT, env

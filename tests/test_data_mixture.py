@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import yaml
 
-from moe_trainer.config import ConfigError, given_values, load_config
+from moe_trainer.config import ConfigError, given_values
+from moe_trainer.resolve import load_config
 from moe_trainer.data import Mixture, open_mixture, prepare
 from moe_trainer.data.formats import MEGATRON_HEADER, MEGATRON_MAGIC
 from moe_trainer.data.mixture import MAX_PERIOD, fingerprint

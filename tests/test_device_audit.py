@@ -16,14 +16,14 @@ PACKAGE = ROOT / "moe_trainer"
 FACTORIES = {"zeros", "ones", "empty", "full", "arange", "tensor", "as_tensor", "randn", "rand", "randint", "eye",
              "linspace", "randperm", "zeros_like", "ones_like", "empty_like", "full_like"} - {
     "zeros_like", "ones_like", "empty_like", "full_like"}  # *_like take their input's device
-PER_STEP = [*sorted((PACKAGE / "models").glob("*.py")), *sorted((PACKAGE / "moe").glob("*.py")),
+PER_STEP = [*sorted((PACKAGE / "models").glob("*.py")), PACKAGE / "rope.py", *sorted((PACKAGE / "moe").glob("*.py")),
             PACKAGE / "moe" / "placement" / "runtime.py",  # the placement solvers beside it are host-side planning
             *sorted((PACKAGE / "parallel").glob("*.py")), PACKAGE / "kernels" / "accelerator.py",
             PACKAGE / "kernels" / "reference.py", PACKAGE / "trainer.py",
             PACKAGE / "expert_load" / "tracker.py"]  # the trainer's per-step expert-load bookkeeping
 ALLOWED = {
     # (file, function): why it may make host tensors
-    ("models/layers.py", "rope_inv_freq"): "the RoPE frequency table, built once into a buffer that moves with the model",
+    ("rope.py", "rope_inv_freq"): "the RoPE frequency table, built once into a buffer that moves with the model",
     ("models/init.py", "*"): "initial values, made once at build time on the host and materialised into the module",
     ("models/lm.py", "init_weights"): "initial values, once at build time",
     ("moe/placement/runtime.py", "replica_candidates"): "a placement's candidate table, built once per plan; "

@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe_trainer import kernels
-from moe_trainer.config import ConfigError, ModelConfig, load_config
+from moe_trainer.config import ConfigError, ModelConfig
+from moe_trainer.resolve import load_config
 from moe_trainer.data.documents import document_ids, document_positions
 from moe_trainer.kernels import document_attention as da
 from moe_trainer.kernels.reference import ReferenceBackend

@@ -159,7 +159,8 @@ def trainer_in_rank(rank, world, port, overrides, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
-    from moe_trainer.config import load_config, validate_layout
+    from moe_trainer.config import validate_layout
+    from moe_trainer.resolve import load_config
     from moe_trainer.parallel.mesh import build_mesh
     from moe_trainer.trainer import Trainer
     cfg = load_config(str(ROOT / "configs/moe_tiny.yaml"), TINY + overrides + [f"run.out_dir={out_dir}"])

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from moe_trainer import expert_load
-from moe_trainer.config import load_config
+from moe_trainer.resolve import load_config
 from moe_trainer.moe import placement as pl
 from moe_trainer.parallel.comm import CommCounter
 from moe_trainer.parallel.expert import AllToAllDispatcher, shard_experts

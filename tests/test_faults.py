@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from moe_trainer.config import ConfigError, load_config
+from moe_trainer.config import ConfigError
+from moe_trainer.resolve import load_config
 from moe_trainer.faults import (Fault, FaultSpecError, Faults, SpikeGuard, checksums, parse_faults,
                                 straggler_events)
 

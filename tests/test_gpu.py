@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from moe_trainer import kernels
-from moe_trainer.config import load_config
+from moe_trainer.resolve import load_config
 from moe_trainer.hf import from_hf
 from moe_trainer.models.registry import build_model
 from moe_trainer.moe.layer import MoE

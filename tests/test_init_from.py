@@ -65,7 +65,7 @@ def _weights_file(tmp_path):
     from safetensors.torch import save_file
 
     from moe_trainer.checkpoint import BIAS
-    from moe_trainer.config import load_config
+    from moe_trainer.resolve import load_config
     from moe_trainer.models.registry import build_model
 
     model = build_model(load_config("configs/moe_tiny.yaml", TINY).model, seed=7)

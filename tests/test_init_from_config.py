@@ -1,6 +1,6 @@
 """train.init_from=HF_DIR gives the run its model section: the fields a config leaves out come
 from the directory's config.json, the ones it writes must agree with it, and the run directory's
-config.yaml records the model resolved so (config.resolve_init_from, hf.init_from_model)."""
+config.yaml records the model resolved so (resolve.resolve_init_from, hf.init_from_model)."""
 import dataclasses
 import json
 import shutil
@@ -12,9 +12,11 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from moe_trainer.config import ConfigError, ModelConfig, given_keys, load_config
+from moe_trainer.config import ConfigError, ModelConfig, given_keys
+from moe_trainer.resolve import load_config
 from moe_trainer.data import open_data
-from moe_trainer.hf import hf_config_to_model_config, load_initial_weights
+from moe_trainer.hf import hf_config_to_model_config
+from moe_trainer.init_from import load_initial_weights
 from moe_trainer.models.registry import build_model
 from moe_trainer.run_dir import parameter_counts, plan_start
 

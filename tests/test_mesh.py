@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from moe_trainer.config import DENSE_ORDER, MOE_ORDER, ConfigError, Layout, load_config, validate_layout
+from moe_trainer.config import DENSE_ORDER, MOE_ORDER, ConfigError, Layout, validate_layout
+from moe_trainer.resolve import load_config
 from moe_trainer.parallel import mesh as mesh_mod
 from moe_trainer.parallel.mesh import build_mesh
 from moe_trainer.parallel.order import (DIMS, coords, describe_nodes, expert_group_nodes, group_ranks, layout_warnings,

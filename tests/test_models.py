@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from moe_trainer.config import ModelConfig
 from moe_trainer.kernels.cpu.layers import ExplicitCausalAttention
-from moe_trainer.models.layers import causal_attention, rope_inv_freq, yarn_softmax_scale
+from moe_trainer.models.layers import causal_attention
+from moe_trainer.rope import rope_inv_freq, yarn_softmax_scale
 from moe_trainer.models.registry import build_model, moe_layers
 from moe_trainer.kernels.cpu import experts as experts_mod
 from moe_trainer.moe.balance import update_bias

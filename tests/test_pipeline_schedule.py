@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from moe_trainer.config import load_config
+from moe_trainer.resolve import load_config
 from moe_trainer.models.registry import build_model
 from moe_trainer.config import ConfigError, validate_layout
 from moe_trainer.parallel.pipeline import (ActivationMeter, PipelineStage, gpipe, layer_costs, one_f_one_b, partition,

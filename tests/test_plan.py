@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from moe_trainer import plan
-from moe_trainer.config import load_config
+from moe_trainer.resolve import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"

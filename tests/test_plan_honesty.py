@@ -30,7 +30,7 @@ import pytest
 
 from moe_trainer import plan
 from moe_trainer.bench.layouts import comm_by_kind, measure_layout, zero_ring_bytes
-from moe_trainer.config import load_config
+from moe_trainer.resolve import load_config
 
 from conftest import ROOT, TINY
 from test_dense_parity import DENSE

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_trainer import plan
-from moe_trainer.config import load_config
+from moe_trainer.resolve import load_config
 from moe_trainer.models.init import init_values
 from moe_trainer.models.registry import build_model
 from moe_trainer.parallel.local import rank_local_model

@@ -3,7 +3,7 @@ bytes, MoE counters not double-counted; and through the trainer on 2 ranks."""
 import pytest
 import torch
 
-from moe_trainer.config import load_config
+from moe_trainer.resolve import load_config
 from moe_trainer.models.registry import build_model, moe_layers
 from moe_trainer.parallel.pipeline import ActivationMeter
 from moe_trainer.parallel.recompute import apply_recompute

@@ -10,7 +10,8 @@ import torch
 import yaml
 
 from moe_trainer import metrics
-from moe_trainer.config import ConfigError, Config, load_config, given_keys
+from moe_trainer.config import ConfigError, Config, given_keys
+from moe_trainer.resolve import load_config
 from moe_trainer.run_dir import merge_for_resume, resumable
 
 from conftest import ROOT, TINY, check, launch, read_metrics, toy_documents, train_tokenizer

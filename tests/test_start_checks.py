@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import save_file
 
 from moe_trainer import train
-from moe_trainer.config import load_config
+from moe_trainer.resolve import load_config
 from moe_trainer.data import DataError, prepare
 from moe_trainer.data.tokenizer import byte_tokenizer_files
 from moe_trainer.hf import HFFormatError

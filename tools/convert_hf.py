@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from moe_trainer import hf  # noqa: E402
-from moe_trainer.config import ConfigError, load_config  # noqa: E402
+from moe_trainer.config import ConfigError  # noqa: E402
+from moe_trainer.resolve import load_config  # noqa: E402
 from moe_trainer.export import export_weights  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -21,7 +21,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from moe_trainer import plan  # noqa: E402
-from moe_trainer.config import ConfigError, load_config  # noqa: E402
+from moe_trainer.config import ConfigError  # noqa: E402
+from moe_trainer.resolve import load_config  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3

@@ -73,7 +73,8 @@ def worker_ours(a) -> None:
 
     from .. import plan
     from .turns import Turns
-    from ..config import load_config, validate_layout
+    from ..config import validate_layout
+    from ..resolve import load_config
     from ..expert_load import imbalance_stats
     from ..kernels.cpu.allocator import keep_freed_memory
     from ..parallel.mesh import build_mesh
@@ -115,7 +116,7 @@ def worker_autoep(a) -> None:
     from transformers import AutoModelForCausalLM
 
     from .turns import Turns
-    from ..config import load_config
+    from ..resolve import load_config
     from ..data import open_data
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -180,7 +181,7 @@ def worker_cmd(impl: str, world: int, dtype: str, steps: int, run_dir: Path, tur
 def export_hf(tmp: Path, dtype: str) -> str:
     import torch
 
-    from ..config import load_config
+    from ..resolve import load_config
     from ..hf import to_hf
     from ..models.registry import build_model
     cfg = load_config(CONFIG, overrides(1, dtype, 1, str(tmp / "export"), False))

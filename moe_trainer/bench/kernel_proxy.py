@@ -55,7 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import kernels
 from ..kernels import accelerator  # noqa: F401  (registers torch.ops.moe_trainer.grouped_mm)
-from ..config import load_config
+from ..resolve import load_config
 from ..models.deepseek_v3 import DecoderLayer
 from ..models.registry import ARCHS
 

@@ -20,7 +20,7 @@ import time
 import torch
 
 from .. import kernels
-from ..config import load_config
+from ..resolve import load_config
 from ..models.registry import build_model
 
 BACKENDS = ("cpu", "accelerator")

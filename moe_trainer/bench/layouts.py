@@ -57,7 +57,8 @@ def _worker(rank, world, port, config, overrides, out_dir, steps, results):
     torch.set_num_threads(1)
     import deepspeed.comm as ds_comm
     from moe_trainer import plan
-    from moe_trainer.config import load_config, validate_layout
+    from moe_trainer.config import validate_layout
+    from moe_trainer.resolve import load_config
     from moe_trainer.parallel import zero
     from moe_trainer.parallel.mesh import build_mesh
     from moe_trainer.trainer import Trainer
@@ -188,7 +189,7 @@ def _mb(x: float) -> str:
 
 def bench_one(model: str, config: str, name: str, overrides: list[str], world: int, steps: int) -> dict:
     from moe_trainer import plan as planner
-    from moe_trainer.config import load_config
+    from moe_trainer.resolve import load_config
     cfg = load_config(str(ROOT / config), overrides)
     p = planner.make_plan(cfg, world)
     t0 = time.perf_counter()
@@ -272,7 +273,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated substrings of layout names to run")
     ap.add_argument("--json", default="", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
-    from moe_trainer.config import load_config
+    from moe_trainer.resolve import load_config
     from moe_trainer.metrics import train_flops_per_token
     flops = {}
     for cfg_path in (MOE_CONFIG, DENSE_CONFIG):

@@ -57,7 +57,7 @@ class StorageMeter:
 
 
 def _memory_cfg(pp: int, seq: int, extra: list[str] = ()):
-    from ..config import load_config
+    from ..resolve import load_config
     return load_config(str(ROOT / CONFIG), [f"parallel.pp={pp}", f"train.seq_len={seq}", *extra])
 
 

@@ -34,7 +34,8 @@ WORKER = r"""
 import json, os, resource, sys, time
 from pathlib import Path
 from moe_trainer import checkpoint
-from moe_trainer.config import load_config, validate_layout
+from moe_trainer.config import validate_layout
+from moe_trainer.resolve import load_config
 from moe_trainer.train import make_trainer
 args = json.loads(sys.argv[1])
 cfg = load_config(args["config"], args["overrides"])

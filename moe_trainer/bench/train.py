@@ -47,7 +47,7 @@ LABELS = {"ours1": "ours, 1 rank (trainer, ZeRO-1)",
 
 
 def _cfg(dtype: str, steps: int, extra=()):
-    from moe_trainer.config import load_config
+    from moe_trainer.resolve import load_config
     return load_config(str(ROOT / CONFIG), [f"train.dtype={dtype}", f"train.max_steps={steps}", *extra])
 
 

@@ -29,8 +29,9 @@ Modules (each public name is re-exported here: `from moe_trainer.hf import ...` 
   check_keys_and_shapes: every weights source's key-and-shape check);
 - write.py: our model -> a Hugging Face directory (to_hf, hf_state_dict);
 - tokenizer.py: the tokenizer of an export (export_tokenizer, special_token_ids, tokenizer_size);
-- weights_file.py: our own weight files and model YAML, train.init_from (load_initial_weights,
-  init_from_model, check_same_model, load_weights_file, save_weights_file, model_yaml, save_model_yaml).
+- weights_file.py: our own weight files and model YAML, the model of a Hugging Face train.init_from
+  (init_from_model, check_same_model, hf_dir_model, save_weights_file, model_yaml, save_model_yaml);
+  init_from.py loads train.init_from's weights (load_initial_weights).
 """
 # re-exported: every public name the single module hf.py held, at its old import path
 from .config_json import (ARCHITECTURES, COMMON_FIELDS, DEEPSEEK_FIELDS, DEFAULT_ROPE_THETA, EXTRA_KEY,  # noqa: F401
@@ -40,8 +41,8 @@ from .errors import HFFormatError, PathLike  # noqa: F401
 from .names import hf_to_our_name, our_to_hf_name  # noqa: F401
 from .read import check_keys_and_shapes, convert_hf_state_dict, from_hf, load_checked, read_safetensors  # noqa: F401
 from .tokenizer import export_tokenizer, special_token_ids, tokenizer_size  # noqa: F401
-from .weights_file import (check_same_model, hf_dir_model, init_from_model, load_initial_weights,  # noqa: F401
-                           load_weights_file, model_yaml, save_model_yaml, save_weights_file)
+from .weights_file import (check_same_model, hf_dir_model, init_from_model, model_yaml, save_model_yaml,  # noqa: F401
+                           save_weights_file)
 from .write import DEFAULT_SHARD_BYTES, KEEP_FP32, hf_state_dict, to_hf  # noqa: F401
 
 # init_from.py reads a Hugging Face directory block by block with these
@@ -49,5 +50,5 @@ from .names import _EXPERT_KEY, _IGNORED  # noqa: F401
 from .read import _checkpoint_files, _listing  # noqa: F401
 
 __all__ = ["HFFormatError", "from_hf", "to_hf", "hf_config_to_model_config", "model_config_to_hf",
-           "init_from_model", "hf_state_dict", "convert_hf_state_dict", "load_weights_file", "save_weights_file", "model_yaml",
+           "init_from_model", "hf_state_dict", "convert_hf_state_dict", "save_weights_file", "model_yaml",
            "save_model_yaml", "export_tokenizer", "special_token_ids", "tokenizer_size"]

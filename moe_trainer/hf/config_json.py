@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from ..config import ConfigError, ModelConfig, config_from_dict, is_number
+from ..config import ConfigError, ModelConfig, is_number, typed_config, validate
 from .errors import HFFormatError, PathLike
 
 MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "llama": "llama3"}
@@ -187,9 +187,13 @@ def _validated(model_values: dict) -> ModelConfig:
     """Type-check and validate through the config tree (its messages name model.<field>)."""
     train = {"seq_len": 1, "micro_batch_size": 1, "global_batch_size": 1}
     try:
-        model = config_from_dict({"model": model_values, "train": train}).model
+        cfg = typed_config({"model": model_values, "train": train})
+        validate(cfg)
+        model = cfg.model
     except ConfigError as e:
         raise HFFormatError(f"config.json is not a model we can build: {e}") from None
+    if model.vocab_size == "auto":  # the config tree leaves auto to the resolve step: a config.json has no data
+        raise HFFormatError("config.json field vocab_size must be a positive integer, got 'auto'.")
     n_mtp = model.num_nextn_predict_layers or 0
     if model.max_position_embeddings <= n_mtp:  # both type-checked by now
         raise HFFormatError(f"config.json field max_position_embeddings ({model.max_position_embeddings}) "

@@ -1,6 +1,6 @@
 """Our own weight files: a safetensors file of our names (what tools/convert_hf.py import writes),
-the model YAML beside it, and train.init_from, which also takes a Hugging Face directory or a
-run checkpoint."""
+the model YAML beside it, and the model a Hugging Face directory in train.init_from gives
+(init_from.py loads the weights of every train.init_from source)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,36 +16,10 @@ from ..config import ModelConfig
 from .config_json import hf_config_to_model_config, read_config, standard_rope_scaling
 from .errors import HFFormatError, PathLike
 
-def load_weights_file(model: torch.nn.Module, path: PathLike) -> None:
-    """Load a safetensors file keyed by our names, or a run checkpoint directory
-    (checkpoints/step_N/), into `model` (the whole model or one rank's part of it)."""
-    from .. import init_from
-    path = Path(path)
-    if init_from.is_run_checkpoint(path):
-        return init_from.load_run_checkpoint(model, model.cfg, path)
-    if not path.is_file():
-        raise HFFormatError(f"weights {path} is neither a safetensors file nor a checkpoint directory with a "
-                            f"manifest.json.")
-    init_from.load_weights_file(model, model.cfg, path)
-
 
 # fields that only shape training here, not the weights' meaning
 _TRAINING_ONLY = {"bias_update_speed", "seq_aux_loss_alpha", "router_z_loss_coef", "capacity_factor", "moe_impl",
                   "mtp_loss_weight", "initializer_range", "max_position_embeddings"}
-
-
-def load_initial_weights(model: torch.nn.Module, path: PathLike) -> None:
-    """train.init_from: continue a Hugging Face DeepSeek-V3 / Llama checkpoint
-    directory, a safetensors file of our names, or a run checkpoint directory.
-    A Hugging Face directory must describe the same architecture as model.*.
-    `model` may be one rank's part (a stage, its experts, its TP shards): only the rows it
-    holds are read (init_from.py)."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        return load_weights_file(model, path)
-    check_same_model(model.cfg, hf_dir_model(path), [f.name for f in dataclasses.fields(ModelConfig)], path)
-    from ..init_from import load_hf_dir
-    load_hf_dir(model, model.cfg, path)
 
 
 def hf_dir_model(path: PathLike) -> ModelConfig:

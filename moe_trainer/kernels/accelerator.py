@@ -104,7 +104,7 @@ class SiluMul(torch.autograd.Function):
 
 
 class Rotary(torch.autograd.Function):
-    """RoPE as models/layers.apply_rope computes it, in 5 ops each way instead of autograd's ~17.
+    """RoPE as rope.apply_rope computes it, in 5 ops each way instead of autograd's ~17.
 
     x (B, H, T, D); cos, sin (T, D) with equal halves (RotaryEmbedding's tables). Pairs are
     (x_i, x_{i+D/2}), or (x_2i, x_2i+1) when `interleaved` (DeepSeek's layout; the output then

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..rope import apply_rope
 from .accelerator import AcceleratorBackend
 from .document_attention import document_mask, query_positions
 
@@ -31,8 +32,7 @@ class ReferenceBackend(AcceleratorBackend):
 
     @staticmethod
     def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-        from ..models.layers import apply_rope  # the plain maths (models import kernels: import here)
-        return apply_rope(x, cos, sin, interleaved)
+        return apply_rope(x, cos, sin, interleaved)  # the plain maths
 
     @staticmethod
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

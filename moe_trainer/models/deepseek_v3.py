@@ -13,7 +13,8 @@ from torch import nn
 from ..config import ModelConfig
 from ..moe.layer import MoE
 from .. import kernels
-from .layers import Linear, RMSNorm, SwiGLU, yarn_softmax_scale
+from ..rope import yarn_softmax_scale
+from .layers import Linear, RMSNorm, SwiGLU
 from .lm import CausalLM, add_aux, lm_loss
 
 

@@ -19,7 +19,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from .init import init_in_place
-from .layers import Linear, RMSNorm, RotaryEmbedding
+from ..rope import RotaryEmbedding
+from .layers import Linear, RMSNorm
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ...rope import apply_rope
 from ..accelerator import AcceleratorBackend, sdpa_padded_v
 from . import experts as cpu_experts
 from . import extension
@@ -59,8 +60,7 @@ class CPUBackend(AcceleratorBackend):
     def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
         if x.device.type != "cpu":
             return AcceleratorBackend.rope(x, cos, sin, interleaved)
-        from ...models.layers import apply_rope  # plain torch ops, as before the accelerator's Rotary
-        return apply_rope(x, cos, sin, interleaved)
+        return apply_rope(x, cos, sin, interleaved)  # plain torch ops, as before the accelerator's Rotary
 
     @staticmethod
     def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -245,7 +245,8 @@ class Simulator:
 
     def __init__(self, config: str, overrides: list[str], world: int, gpus_per_node: int,
                  micro_batches: str = "auto"):
-        from ...config import ConfigError, load_config, validate_layout
+        from ...config import ConfigError, validate_layout
+        from ...resolve import load_config
         if world < 1 or gpus_per_node < 1:
             raise DryRunError(f"--world ({world}) and --gpus-per-node ({gpus_per_node}) must be positive.")
         if world % gpus_per_node and world > gpus_per_node:
@@ -286,7 +287,7 @@ class Simulator:
     def plan_bytes(self) -> list[int]:
         """The planner's per-rank estimate of each stage (states + activations, ZeRO-1, mixed precision
         for bf16), for the dtype a CUDA run resolves train.dtype auto to."""
-        from ...config import load_config
+        from ...resolve import load_config
         from ...plan import make_plan
         cfg = load_config(self.config, self.overrides)
         if cfg.train.dtype == "auto":
@@ -333,7 +334,8 @@ class Simulator:
         """Builds rank `rank`'s trainer from `overrides`, trains one step and, with `keep`, saves it and
         keeps it for the reload. Returns (its mesh, its traffic, its peak bytes, its host reads)."""
         from ... import trainer as trainer_module
-        from ...config import load_config, validate_layout
+        from ...config import validate_layout
+        from ...resolve import load_config
         from ...train import make_trainer
         from .. import mesh as mesh_module
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(self.world),
