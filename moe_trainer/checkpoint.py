@@ -170,7 +170,7 @@ def _finish(trainer, tmp: Path, final: Path, reports: list[tuple[int, str]]) -> 
     state = {"step": trainer.step, "adam_step": adam_step(trainer.engine),
              "data_position": trainer.step + trainer.data_offset,
              "arch": trainer.cfg.model.arch, "layout": trainer.layout.__dict__,
-             "model": trainer.cfg.to_dict()["model"], "noise_scale": trainer.noise.state_dict()}
+             "model": trainer.cfg.to_dict()["model"], "noise_scale": trainer.observers.noise.state_dict()}
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
     files = {part_name(r): {"bytes": size, "sha256": digest} for r, (size, digest) in enumerate(reports)}
     f = tmp / "state.json"
@@ -578,7 +578,7 @@ def load(path: Path, trainer) -> int:
                                            device=st["step"].device)
                               if torch.is_tensor(st["step"]) else state["adam_step"])
     if "noise_scale" in state:
-        trainer.noise.load_state_dict(state["noise_scale"])
+        trainer.observers.noise.load_state_dict(state["noise_scale"])
     # batches a spike rollback skipped: sample positions run ahead of the step by that many
     trainer.data_offset = int(state.get("data_position", state["step"])) - int(state["step"])
     rng = index.rng(trainer.mesh.rank)

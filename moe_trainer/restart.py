@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-RESTART_ENV = "MOE_TRAINER_RESTART"  # "<attempt>:<previous exit code>", set for restarted attempts
+from .run_dir import RESTART_ENV  # the trainer reads it from there: restart -> train -> trainer is a line
+
 NOT_RESTARTED = {0: "finished", 2: "bad input", 3: "stopped by policy"}
 # DeepSpeed's logger format: "[2026-12-03 06:18:36,440] [INFO] [launch.py:152:main] ..."
 DEEPSPEED_INFO = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,.]+\] \[(INFO|DEBUG)\] ")

@@ -39,6 +39,8 @@ import yaml
 from .config import Config, ConfigError, flatten
 from .resolve import config_from_dict
 
+RESTART_ENV = "MOE_TRAINER_RESTART"  # "<attempt>:<previous exit code>": set by moe_trainer.restart for restarted attempts
+
 # keys a resume may change: they decide how and how long the same training runs, not what it computes
 RESUMABLE = ("run.out_dir", "train.max_steps", "train.stop_at_step", "train.micro_batch_size",
              "train.checkpoint_every", "train.keep_checkpoints", "train.resume", "train.resume_allow",

@@ -2,16 +2,20 @@
 
 The trainer does not know which model it trains: it gets one from the registry
 by model.arch, applies the layout's parallelism, and drives steps. Order of a
-step: data -> forward/backward per micro-batch -> optimizer step -> expert-bias
-update from globally summed counts (expert_load/tracker.py) -> metrics -> eval -> checkpoint.
+step (Trainer.train, Trainer.train_step): guards before the step (injected faults,
+the replica check) -> data -> forward/backward per micro-batch -> optimizer step ->
+losses reduced, expert-bias update from globally summed counts (expert_load/tracker.py)
+-> guards after the step (NaN, spike) -> metrics -> eval -> checkpoint.
+
+Two components hang off the loop at fixed points: guards.Guards (every fault guard:
+injection, NaN, spike, replica check and repair, owner rollback, stragglers) and
+observers.Observers (metrics, TensorBoard, noise scale, expert-load summaries).
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,19 +25,17 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, run_dir
-from .restart import RESTART_ENV
-from .faults import (Faults, ReplicaCheck, SpikeGuard, owner_drift, owner_partitions, parse_faults, repair_from_owners,
-                     straggler_events)
 from .config import Config, Layout, TrainConfig
 from .data import DataError, MixtureSource, open_run_data, run_data_dir
 from .data.documents import document_ids, document_positions
 from .expert_load.tracker import ExpertLoadTracker
 from .init_from import load_initial_weights
-from .metrics import Interval, MetricSink, StepClock, peak_memory_gb, peak_tflops, train_flops_per_token
+from .guards import Guards, TrainingHalted  # noqa: F401 (TrainingHalted: moe_trainer.train catches it here)
+from .metrics import StepClock, peak_tflops
 from .models.init import materialize
 from .compile import compile_regions
 from .models.registry import build_model
-from .noise_scale import MicroGradNorms, NoiseScale, ReducedGradNorm
+from .observers import Observers
 from .parallel.comm import (CommCounter, all_reduce_small, count_deepspeed_collectives, enable_shm_transport,
                             route_deepspeed_collectives)
 from .parallel.context import shard_sequence
@@ -43,10 +45,6 @@ from .parallel.pipeline import PipelineExecutor, Trace, build_stage
 from .kernels.cpu.shm_alltoall import P2P_RING_BYTES, RING_BYTES, SMALL_RING_BYTES
 from .parallel.parallelize import parallelize
 from .parallel.zero import build_engine, set_lr
-
-
-class TrainingHalted(RuntimeError):
-    """Training stopped by policy (e.g. repeated non-finite losses): one sentence, exit 3."""
 
 
 class NothingLeft(Exception):
@@ -138,35 +136,17 @@ class Trainer:
         # (where edp and dpcp are one group, at ep 1, its traffic counts as dp)
         count_deepspeed_collectives(self.comm, {mesh.group("edp"): "edp", mesh.group("dpcp"): "dp"})
         self.executor = self._build_executor() if self.pipelined else None
-        # the critical batch size: per-micro-batch gradient norms vs the reduced one
-        # (one micro-batch per optimizer step has nothing to compare: no hooks then)
-        self.noise_batches = (t.micro_batch_size * t.seq_len / self.layout.cp, t.global_batch_size * t.seq_len)
-        self.micro_norms = (MicroGradNorms(self.engine.module, unscale=self.layout.grad_accum,
-                                           count_replicated=mesh.index("tp") == 0)
-                            if self.noise_batches[1] > self.noise_batches[0] else None)
-        self.reduced_norm = ReducedGradNorm(self.engine) if self.micro_norms is not None else None
-        self.noise = NoiseScale(alpha=cfg.metrics.noise_scale_alpha)
-        self.expert_load = ExpertLoadTracker(cfg.model, self.model, mesh, device)
+        self.expert_load = ExpertLoadTracker(cfg.model, self.model, mesh, device)  # and the bias update
         self.loss_keys = loss_keys(cfg.model)
         self.step = 0
-        self.sink: Optional[MetricSink] = None
-        self.flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
         self.peak, self.peak_source = peak_tflops(cfg.metrics.peak_tflops, self.dtype, device)
         self._stopping = False
         self._term = False
-        self._nan_skips = 0
-        # the faults of a long run (faults.py); None when unset, so the loop makes no call for them
-        self.faults = (Faults(parse_faults(cfg.debug.faults, self.layout.world), self.out_dir, mesh.rank)
-                       if cfg.debug.faults else None)
-        self.replicas = ReplicaCheck(self.engine.module, mesh, t.replica_check_every)
-        self.replicas = self.replicas if self.replicas.sets and t.replica_check_every else None
-        self.owners = owner_partitions(self.engine) if self.replicas else None  # (fp32 master, model slice)
-        self.last_checked: Optional[int] = None  # the newest step whose state passed the replica check
-        self.spikes = SpikeGuard() if t.spike_guard else None
-        self.rolled_back_to: Optional[int] = None  # the checkpoint step of the last rollback
         self.data_offset = 0  # batches skipped by rollbacks: step s trains on sample position s + offset
-        self.sink_steps = 0  # steps this process has logged
-        self.interval = Interval()  # the steps since the last log step: their figures are logged as means
+        # the two components the loop calls at fixed points: what it reports, and what guards it
+        self.observers = Observers(cfg, mesh, self.engine, self.expert_load, device, self.peak)
+        self.guards = Guards(self)
+        self.faults = self.guards.faults  # injection (slow@S:R) where a micro-batch is read
 
     # ------------------------------------------------------------------ setup
     def _enable_shm_collectives(self) -> None:
@@ -218,17 +198,7 @@ class Trainer:
             run_dir.check_shared(self.out_dir, self.mesh.rank, self.layout.world, self.device)
 
     def open_sink(self) -> None:
-        """After resuming: metrics past the resumed step (from the interrupted run) are dropped. A job
-        that moe_trainer.restart started again says so in a restart row."""
-        if self.is_logger:
-            self.sink = MetricSink(self.out_dir, self.cfg.metrics.tensorboard, self.cfg.train.max_steps,
-                                   resume_step=self.step)
-            restart = os.environ.get(RESTART_ENV)  # read once, at start: set by the restart wrapper
-            if restart:
-                attempt, code = restart.split(":")
-                self.sink.log(self.step, {"event": "restart", "attempt": int(attempt), "exit_code": int(code),
-                                          "resumed_from": str(self.resume_from) if self.resume_from else None},
-                              tb_prefix="events/restart/")
+        self.observers.open(self.step, self.resume_from)
 
     def barrier(self) -> None:
         if dist.is_initialized() and self.layout.world > 1:
@@ -253,39 +223,26 @@ class Trainer:
         last = {}
         while self.step < t.max_steps and not self._stopping:
             progress(self.step + 1, "start")  # heartbeats: a hung rank is named by where it stopped
-            if self.faults:
-                self.faults.before_step(self.step + 1)
-            if self.replicas and self.replicas.due(self.step):
-                progress(self.step + 1, "replica check")
-                self.check_replicas()
+            self.guards.before_step(self.step + 1)  # injected kill/hang/slow; the replica check when due
             progress(self.step + 1, "forward, backward and optimizer")
             record = self.train_step()
             self.step += 1
-            self.interval.add(self.step_figures(record))
+            self.observers.add_step(record)
             progress(self.step, "losses, logging and evaluation")
-            if self.faults:
-                self.flip_bit()
-            self.check_finite(record)
-            if self.spikes and not record["skipped"] and self.guard_spike(record):
+            if self.guards.after_step(record):  # bit flips, the NaN policy, the spike guard
                 continue  # rolled back: the step counter is the checkpoint's now
             self._stopping = self.any_rank(self._term) or self.step == t.stop_at_step
             if self.step % t.log_every == 0 or self.step == t.max_steps or record["skipped"]:
                 last = self.log(record)
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.max_steps):
-                losses = self.evaluate_sources()
-                last.update(losses)
-                if self.sink:
-                    self.sink.log(self.step, losses)
-                    print(f"step {self.step}/{t.max_steps} | " + " | ".join(f"{k} {v:.4f}" for k, v in losses.items()),
-                          flush=True)
+                last.update(self.evaluate_and_log())
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.max_steps \
                     or self._stopping:
                 progress(self.step, "checkpoint")
                 self.save_checkpoint()
         if self.pipelined and self.trace.enabled:
             self.write_pipeline_trace()
-        if self.sink:
-            self.sink.close()
+        self.observers.close()
         if self._term and self.is_logger:
             print(f"stopped by SIGTERM after step {self.step}; checkpoint written, resume with train.resume=auto",
                   flush=True)
@@ -313,142 +270,6 @@ class Trainer:
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
         all_reduce_small(t, op="max")
         return bool(t.item())  # host sync
-
-    def check_finite(self, record: dict) -> None:
-        """NaN/inf loss policy: the optimizer skipped the step (DeepSpeed skips
-        non-finite gradient norms); allow max_nan_skips in a row, then stop with a
-        checkpoint of the last good state (unchanged by the skipped steps)."""
-        if not record["skipped"]:
-            self._nan_skips = 0
-            return
-        self._nan_skips += 1
-        limit = self.cfg.train.max_nan_skips
-        if self.is_logger:
-            print(f"warning: step {self.step}: non-finite loss ({record['losses']['lm']}); step skipped "
-                  f"({self._nan_skips} in a row, train.max_nan_skips={limit})", file=sys.stderr, flush=True)
-        if self._nan_skips > limit:
-            self.step -= self._nan_skips  # the weights are those after the last good step
-            self.save_checkpoint()
-            raise TrainingHalted(f"stopped at step {self.step + self._nan_skips}: {self._nan_skips} non-finite "
-                                 f"losses in a row (train.max_nan_skips={limit}); the last good state is "
-                                 f"checkpoint step_{self.step}.")
-
-    # ------------------------------------------------------------------ faults that do not kill
-    def flip_bit(self) -> None:
-        """bitflip@S:R and bitflip_master@S:R, right after step S's update."""
-        name = self.faults.after_update(self.step, self.engine.module)
-        if name is not None:
-            print(f"fault injected: rank {self.mesh.rank}: one bit flipped in {name} after step {self.step}",
-                  file=sys.stderr, flush=True)
-        if self.faults.after_update_master(self.step, self.engine) is not None:
-            print(f"fault injected: rank {self.mesh.rank}: one bit flipped in its ZeRO-1 fp32 master partition "
-                  f"after step {self.step}", file=sys.stderr, flush=True)
-
-    def check_replicas(self) -> None:
-        """Before this step's forward: do the replicas agree, and does every ZeRO-1 owner's fp32
-        partition still match the model copy it wrote? A replica that differs is repaired from the
-        owners' partitions (and the ranks whose copy changed are named); an owner's partition that
-        differs while every replica agrees is the corrupt copy, with nothing to repair it from: the
-        run rolls back. Collective; one host sync (a single fault at a time: a replica that differs
-        in the owner's own slice explains that owner's drift too, so the repair comes first)."""
-        flags = torch.stack([self.replicas.mismatched(), owner_drift(self.owners)]).to(torch.float32)
-        if self.layout.world > 1:
-            all_reduce_small(flags, op="max")
-        replica_bad, owner_bad = flags.tolist()  # host sync, once per check
-        if replica_bad:
-            self.repair_replicas()
-        elif owner_bad:
-            self.roll_back_corrupt_owner()
-        else:
-            self.last_checked = self.step
-
-    def repair_replicas(self) -> None:
-        """Every rank's weights gathered again from the owners' partitions; the ranks whose copy
-        changed are named. Collective."""
-        before = self.replicas.local_sums()
-        repair_from_owners(self.engine)
-        changed = self.replicas.changed(before)
-        reports = [None] * self.layout.world
-        dist.all_gather_object(reports, changed)
-        ranks = [r for r, names in enumerate(reports) if names]
-        params = sorted({n for names in reports for n in names})
-        if self.is_logger:
-            event = {"event": "replica_mismatch", "ranks": ranks, "params": params, "action": "repaired"}
-            print(f"replica mismatch before step {self.step + 1}: rank(s) {ranks} held a copy that differs in "
-                  f"{len(params)} parameter(s) ({', '.join(params[:3])}{', ...' if len(params) > 3 else ''}); "
-                  f"repaired from the ZeRO-1 owners' partitions", file=sys.stderr, flush=True)
-            if self.sink:
-                self.sink.log(self.step, event)
-
-    def roll_back_corrupt_owner(self) -> None:
-        """An owner's fp32 partition differs from the weights every replica holds: back to the newest
-        checkpoint at or before the last step that passed the check (the state after it was written
-        is the one that check saw), the same batches replayed. Collective."""
-        mine = bool(owner_drift(self.owners).item())  # host sync, on this rare path only
-        reports = [None] * self.layout.world
-        dist.all_gather_object(reports, mine)
-        ranks = [r for r, bad in enumerate(reports) if bad]
-        found_at = self.step
-        reason = (f"the ZeRO-1 fp32 master partition of rank(s) {ranks} differs from the weights every replica "
-                  f"holds (found before step {found_at + 1})")
-        at_most = self.last_checked if self.last_checked is not None else found_at - 1
-        found = checkpoint.find_resume(self.out_dir, "auto", warn=self.is_logger, at_most=at_most,
-                                       files_read=lambda path: checkpoint.files_to_read(path, self.model,
-                                                                                        self.mesh.rank),
-                                       any_rank=self.any_rank)
-        if found is None:
-            raise TrainingHalted(f"stopped before step {found_at + 1}: {reason}, and no checkpoint from step "
-                                 f"{at_most} or before is there to roll back to.")
-        self.step = checkpoint.load(found, self)  # the batches after it are trained again, not skipped
-        if self.spikes:
-            self.spikes.reset()
-        event = {"event": "rollback", "to": self.step, "skipped_steps": [], "ranks": ranks,
-                 "cause": "owner_partition", "reason": reason}
-        if self.is_logger:
-            print(f"{reason}; rolled back to {found}, training steps {self.step + 1}-{found_at} again",
-                  file=sys.stderr, flush=True)
-            if self.sink:
-                self.sink.log(found_at, event, tb_prefix="events/rollback/")
-
-    def guard_spike(self, record: dict) -> bool:
-        """A loss or gradient-norm spike (the same on every rank: both are reduced) rolls the run
-        back to the last checkpoint before it, skipping the batches that led into it; a second
-        spike before a newer checkpoint stops the run. True if it rolled back."""
-        norm = self.engine.get_global_grad_norm()
-        reason = self.spikes.check(record["losses"]["lm"], float(norm) if norm is not None else None)  # host sync
-        if reason is None:
-            return False
-        spiked = self.step
-        if self.rolled_back_to is not None and not (self.out_dir / "checkpoints" /
-                                                    f"step_{self.rolled_back_to}").is_dir():
-            self.rolled_back_to = None  # pruned: a newer checkpoint came after the last rollback
-        found = checkpoint.find_resume(self.out_dir, "auto", warn=self.is_logger, at_most=spiked - 2,
-                                       files_read=lambda path: checkpoint.files_to_read(path, self.model,
-                                                                                        self.mesh.rank),
-                                       any_rank=self.any_rank)
-        if self.rolled_back_to is not None and (found is None or checkpoint.step_of(found) <= self.rolled_back_to):
-            raise TrainingHalted(f"stopped at step {spiked}: {reason}, again after rolling back to step "
-                                 f"{self.rolled_back_to}; the last good state is "
-                                 f"{found if found is not None else 'not in a checkpoint'}.")
-        if found is None:  # nothing to go back to (train.checkpoint_every 0, or none written yet): say so
-            if self.is_logger:
-                print(f"warning: loss spike at step {spiked}: {reason}; no checkpoint from before it to roll back "
-                      f"to, training on", file=sys.stderr, flush=True)
-                if self.sink:
-                    self.sink.log(spiked, {"event": "spike", "reason": reason, "action": "none: no checkpoint"})
-            return False
-        skip_from = checkpoint.step_of(found) + 1
-        self.step = checkpoint.load(found, self)  # restores data_offset as it was then
-        self.data_offset += spiked - self.step  # and skips the batches of steps skip_from..spiked
-        self.rolled_back_to = self.step
-        self.spikes.reset()
-        event = {"event": "rollback", "to": self.step, "skipped_steps": [skip_from, spiked], "reason": reason}
-        if self.is_logger:
-            print(f"loss spike at step {spiked}: {reason}; rolled back to {found} and skipping the batches of "
-                  f"steps {skip_from}-{spiked}", file=sys.stderr, flush=True)
-            if self.sink:
-                self.sink.log(spiked, event, tb_prefix="events/rollback/")
-        return True
 
     def micro_batch(self, micro: int, source=None, step: Optional[int] = None):
         """(inputs, labels, positions, documents) of this rank's micro-batch: every tp rank of
@@ -489,9 +310,8 @@ class Trainer:
                                 trace=self.trace, counter=self.comm, clock=self.clock)
 
     def train_step(self) -> dict:
-        spike = self.faults.lr_factor(self.step + 1) if self.faults else 1.0  # spike@S: a diverging update
-        set_lr(self.engine, get_lr(self.step, self.cfg.train) * spike)
-        poison = self._poisoned()
+        set_lr(self.engine, get_lr(self.step, self.cfg.train) * self.guards.lr_factor(self.step + 1))
+        poison = self.guards.poisoned(self.step + 1)
         if self.pipelined:
             return self.pipeline_step(poison)
         t0 = time.perf_counter()
@@ -520,38 +340,14 @@ class Trainer:
             times.optimizer += self.clock.seconds(td, te)
         return record
 
-    def _poisoned(self) -> bool:
-        """This step's loss made non-finite on the last rank (debug.inject_nan_steps, or nan@S)."""
-        steps = self.cfg.debug.inject_nan_steps
-        planned = bool(steps) and (self.step + 1) in steps
-        fault = self.faults is not None and self.faults.poison(self.step + 1)
-        return (planned or fault) and self.mesh.rank == self.layout.world - 1
-
     def finish_step(self, sums: dict, times: StepTimes, t0: float) -> dict:
         losses = self.reduce_losses({k: v / self.layout.grad_accum for k, v in sums.items()})
         skipped = not all(math.isfinite(v) for v in losses.values())
-        self.update_noise_scale(skipped)
+        self.observers.noise_scale(skipped)
         expert = self.expert_load.update_bias(apply=not skipped)
         step_time = time.perf_counter() - t0  # after reduce_losses' host sync: the step's kernels are done
         return {"losses": losses, "times": times, "step_time": step_time, "expert": expert,
                 "comm": self.comm.reset(self.clock), "skipped": skipped}
-
-    def update_noise_scale(self, skipped: bool) -> None:
-        """McCandlish's simple estimate from the mean squared micro-batch gradient
-        norm (B_small = one micro-batch) and the reduced gradient's (B_big = the
-        global batch); expert-parallel experts are left out of both."""
-        if self.micro_norms is None:
-            return
-        small = self.micro_norms.take(self.layout.grad_accum).to(self.device)
-        if self.mesh.group("mp") is not None:  # partial norms of tp shards and pp stages add up
-            all_reduce_small(small, self.mesh.group("mp"))
-        if self.mesh.group("dpcp") is not None:
-            all_reduce_small(small, self.mesh.group("dpcp"))
-            small /= self.mesh.size("dpcp")
-        big = self.reduced_norm.take()
-        b_small, b_big = self.noise_batches
-        if big is not None and not skipped:
-            self.noise.update(float(small), float(big), b_small, b_big)  # host sync
 
     def pipeline_step(self, poison: bool) -> dict:
         if self.trace.enabled:
@@ -608,6 +404,14 @@ class Trainer:
         return {"val_loss": sum(weights[n] * v for n, v in losses.items()) / total,
                 **{f"val_loss/{n}": v for n, v in losses.items()}}
 
+    def evaluate_and_log(self) -> dict[str, float]:
+        losses = self.evaluate_sources()
+        if self.is_logger:
+            self.observers.event(self.step, losses)
+            print(f"step {self.step}/{self.cfg.train.max_steps} | " + " | ".join(f"{k} {v:.4f}" for k, v in losses.items()),
+                  flush=True)
+        return losses
+
     @torch.no_grad()
     def evaluate(self, val=None) -> float:
         val = val if val is not None else next(iter(self.val_data.values()))
@@ -626,53 +430,12 @@ class Trainer:
         model.train()
         return self.reduce_losses({"lm": total / (t.eval_batches * self.layout.grad_accum)})["lm"]
 
-    def step_figures(self, r: dict) -> dict:
-        """The step's time and its split (what Interval averages between log steps)."""
-        seconds = r["comm"].get("seconds", {})
-        # the split's share of the dispatch/combine all-to-alls (forward and backward)
-        ep_kinds = ("dispatch", "combine")
-        a2a = sum(s for k, s in seconds.items() if k.startswith(ep_kinds))
-        out = {"step_time_s": r["step_time"], **r["times"].as_dict()}
-        # inside compiled layers (train.compile) the all-to-alls are counted but not timed (no clock
-        # mark in a graph): then no figure rather than 0
-        moved = any(k.startswith(ep_kinds) for k in r["comm"].get("sent", {}))
-        if any(k.startswith(ep_kinds) for k in seconds) or not moved:
-            out["time.all_to_all_s"] = a2a
-        return out
-
     def log(self, r: dict) -> dict:
-        """The log step's record: throughput, MFU and the step-time split as means over the steps
-        since the last log step (`interval_steps` of them), this step's own time beside them."""
-        t = self.cfg.train
-        tokens = t.global_batch_size * t.seq_len
-        steps, means = self.interval.take()  # this step included: the loop adds every step before it logs
-        step_time = means["step_time_s"]
-        tflops = self.flops_per_token * tokens / self.layout.world / step_time / 1e12
-        record = {"loss": r["losses"]["lm"], "skipped": int(r["skipped"]),
-                  **{f"loss_{k}": v for k, v in r["losses"].items() if k != "lm"},
-                  "lr": get_lr(self.step - 1, t), "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
-                  "tokens_per_s": tokens / step_time, "tokens_per_s_per_rank": tokens / step_time / self.layout.world,
-                  "tflops_per_rank": tflops, "mfu": tflops / self.peak, "peak_tflops": self.peak,
-                  "memory_gb": peak_memory_gb(self.device), **means, "interval_steps": steps,
-                  "step_time_last_s": r["step_time"], "tokens_per_s_last": tokens / r["step_time"]}
-        record["global_batch_tokens"] = tokens
-        record["source_samples"] = self.source_samples()
-        if self.noise.steps:
-            record.update({"noise_scale_tokens": self.noise.value, "noise.grad_sq": self.noise.grad_sq,
-                           "noise.trace_sigma": self.noise.trace_sigma})
-        if r["expert"] is not None:
-            record.update(self.expert_load.metrics(r["expert"], self.sink, self.out_dir, self.step))
-        for kind, sent in r["comm"]["sent"].items():  # this rank's bytes in the last step
-            record[f"comm.{kind}_sent_bytes"] = sent
-            record[f"comm.{kind}_received_bytes"] = r["comm"]["received"][kind]
-        for kind, s in r["comm"].get("seconds", {}).items():  # this rank's seconds in the last step
-            record[f"comm.{kind}_s"] = s
-        if self.layout.world > 1 and self.sink_steps > 0:  # a process's first step pays its one-time costs
-            self.name_stragglers(r)
-        self.sink_steps += 1
-        if self.sink:
-            self.sink.log(self.step, record)
-            self.sink.progress(self.step, record)
+        """The log step's record (observers.step_record), the stragglers named, the record written."""
+        record = self.observers.step_record(r, self.step, get_lr(self.step - 1, self.cfg.train), self.source_samples())
+        if self.layout.world > 1 and self.observers.sink_steps > 0:  # a process's first step pays its one-time costs
+            self.guards.at_log_step(r)
+        self.observers.write(self.step, record)
         return record
 
     def source_samples(self) -> dict[str, int]:
@@ -682,27 +445,3 @@ class Trainer:
         if isinstance(self.train_data, MixtureSource):
             return self.train_data.drawn(drawn)
         return {next(iter(self.val_data)): drawn}
-
-    def name_stragglers(self, r: dict) -> None:
-        """Every rank's own compute time this step, gathered at log steps; ranks far above the median
-        are named. Its own: loading its batches and its forward passes, less the time it spent inside
-        the forward's collectives (the expert all-to-alls), where a rank waits for its slowest peer,
-        so that at ep > 1 a straggler's EP peers do not look slow too. The backward is left out: ZeRO's
-        bucketed gradient reduction runs inside it, where every rank waits for the slowest."""
-        times = r["times"]
-        waits = sum(s for kind, s in r["comm"].get("seconds", {}).items()
-                    if not kind.endswith("_grad") and not kind.startswith("pp_"))
-        mine = torch.tensor([max(times.data + times.forward - waits, 0.0)], device=self.device)
-        every = torch.empty(self.layout.world, device=self.device)
-        dist.all_gather_into_tensor(every, mine)
-        if not self.is_logger:
-            return
-        seconds = every.tolist()  # host sync, at log steps only
-        if self.sink and self.sink.tb is not None and self.layout.world <= 64:
-            for rank, t in enumerate(seconds):
-                self.sink.tb.add_scalar(f"rank_time/{rank}", t, self.step)
-        for event in straggler_events(seconds, self.step, self.cfg.train.straggler_factor):
-            print(f"straggler at step {self.step}: rank {event['rank']} computed {event['ratio']}x the median "
-                  f"rank's time", file=sys.stderr, flush=True)
-            if self.sink:
-                self.sink.log(self.step, {k: v for k, v in event.items() if k != "step"}, tb_prefix="events/straggler/")

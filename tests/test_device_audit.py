@@ -20,6 +20,7 @@ PER_STEP = [*sorted((PACKAGE / "models").glob("*.py")), PACKAGE / "rope.py", *so
             PACKAGE / "moe" / "placement" / "runtime.py",  # the placement solvers beside it are host-side planning
             *sorted((PACKAGE / "parallel").glob("*.py")), PACKAGE / "kernels" / "accelerator.py",
             PACKAGE / "kernels" / "reference.py", PACKAGE / "trainer.py",
+            PACKAGE / "guards.py", PACKAGE / "observers.py",  # the trainer's components, split out of it
             PACKAGE / "expert_load" / "tracker.py"]  # the trainer's per-step expert-load bookkeeping
 ALLOWED = {
     # (file, function): why it may make host tensors
