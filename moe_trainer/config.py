@@ -103,10 +103,10 @@ class TrainConfig:
     # bf16 runs: the dtype micro-batch gradients are summed and data-parallel reduced in: fp32 (DeepSpeed's
     # BF16_Optimizer, fp32 gradients of the whole model: +4 bytes/param) | bf16 (summed in bf16 param.grad)
     grad_accum_dtype: str = "fp32"
-    # regional torch.compile of each decoder layer and of the head and loss (moe_trainer/compile.py); off
-    # by default: on CPU ranks compiling costs minutes for little, and the GPU default waits for
-    # scripts/gpu_check.sh's eager vs compiled tokens/s
-    compile: bool = False
+    # regional torch.compile of each decoder layer and of the head and loss (moe_trainer/compile.py):
+    # auto = on CUDA, off on CPU ranks (one H200, moe_1b_gpu: 1.98x eager's tokens/s after a 28 s first
+    # step; on CPU ranks compiling costs a minute for 0.7-1.1x, docs/BENCHMARKS.md) | true | false
+    compile: Union[bool, str] = "auto"
     # inductor (code generation: what runs fast) | aot_eager (dynamo + AOTAutograd, the same graphs run
     # op by op: what the CPU tests run, and a way to tell a tracing bug from a code-generation bug)
     compile_backend: str = "inductor"
@@ -224,6 +224,7 @@ CHOICES = {
     "model.moe_impl": ("grouped", "loop"),
     "train.dtype": ("auto", "fp32", "bf16"),
     "train.grad_accum_dtype": ("fp32", "bf16"),
+    "train.compile": ("auto", True, False),
     "train.compile_backend": ("inductor", "aot_eager"),
     "parallel.recompute": ("none", "selective", "full"),
     "parallel.schedule": ("1f1b", "gpipe"),
@@ -389,7 +390,7 @@ def validate(cfg: Config) -> None:
     for key, choices in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        _require(value in choices, f"{key} must be one of {', '.join(choices)}, got {value!r}.")
+        _require(value in choices, f"{key} must be one of {', '.join(map(str, choices))}, got {value!r}.")
     m, t, p = cfg.model, cfg.train, cfg.parallel
     derived = m.vocab_size == "auto"  # load_config(resolve_data=False): resolved by a resume's merge
     _require(derived or isinstance(m.vocab_size, int),

@@ -76,11 +76,13 @@ def _set_threads(device_type: str) -> None:
 
 
 def resolve_device_settings(cfg, device) -> None:
-    """train.dtype auto -> bf16 on accelerators, fp32 on CPU ranks (the run directory's config.yaml
-    records the value used); fp32 matmuls on CUDA run as TF32."""
+    """train.dtype auto -> bf16 on accelerators, fp32 on CPU ranks; train.compile auto -> on CUDA only
+    (the run directory's config.yaml records the values used); fp32 matmuls on CUDA run as TF32."""
     import torch
     if cfg.train.dtype == "auto":
         cfg.train.dtype = "fp32" if device.type == "cpu" else "bf16"
+    if cfg.train.compile == "auto":
+        cfg.train.compile = device.type == "cuda"
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 tensor cores for fp32 GEMMs
 

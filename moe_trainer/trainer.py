@@ -124,7 +124,8 @@ class Trainer:
             raise NothingLeft(run_dir.finished_sentence(cfg, self.resume_from))  # before the engine is built
         if t.init_from and self.resume_from is None:
             load_initial_weights(self.model, t.init_from)
-        if t.compile:  # after the weights are in place, before the engine wraps the model
+        if t.compile is True:  # (auto was resolved by train.resolve_device_settings) after the weights are
+            # in place, before the engine wraps the model
             regions = compile_regions(self.model, backend=t.compile_backend)
             if self.is_logger:  # each region compiles at its first call: step 1's time holds the compile
                 print(f"torch.compile ({t.compile_backend}): {len(regions)} regions on this stage "

@@ -343,6 +343,8 @@ class Simulator:
                            "LOCAL_WORLD_SIZE": str(self.gpus_per_node), "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": "29500"})
         cfg = load_config(self.config, overrides)
+        if cfg.train.compile == "auto":  # a GPU run's default; the dry run walks the eager path (compiled
+            cfg.train.compile = False    # regions make the same collectives, as functional ones)
         layout = validate_layout(cfg, self.world, self.gpus_per_node)
         gc.collect()  # earlier ranks' garbage is freed now, not inside this rank's count
         self.meter.reset()
