@@ -4,6 +4,9 @@
   python tools/plan.py --config configs/deepseek_v3_671b.yaml --gpus 2048
   python tools/plan.py --config configs/llama3_405b.yaml --set parallel.pp=8 --gpus 8192 --json
   python tools/plan.py zero --params 7.5e9 --dp 64
+  python tools/plan.py --config configs/deepseek_v3_671b.yaml --gpus 2048 --time --gpu h800 [--overlap]
+  python tools/plan.py --config configs/llama3_405b.yaml --gpus 16384 --search --gpu h100 --json PLAN.json
+  python tools/plan.py calibrate    the four published runs: estimate against published figure
 
 The logic lives in the moe_trainer/plan package; this file only parses arguments.
 """
@@ -22,6 +25,9 @@ if str(ROOT) not in sys.path:
 
 from moe_trainer import plan  # noqa: E402
 from moe_trainer.config import ConfigError  # noqa: E402
+from moe_trainer.plan import gpus as gpus_mod, published, search as search_mod, time as time_mod  # noqa: E402
+from moe_trainer.plan import time_report  # noqa: E402
+from moe_trainer.plan.work import setup_from_config  # noqa: E402
 from moe_trainer.resolve import load_config  # noqa: E402
 
 EXIT_BAD_INPUT = 2
@@ -76,7 +82,26 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="NVLink bandwidth per GPU and direction in Gb/s (default %(default)g: H100, 450 GB/s)")
     p.add_argument("--ib-gbps", type=float, default=plan.IB_GBPS,
                    help="network bandwidth per GPU and direction in Gb/s (default %(default)g: one NDR NIC per GPU)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of markdown")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="OUT",
+                   help="the plan (or --time's estimate, --search's best layout) as JSON: to OUT, or to stdout "
+                        "without a path (instead of markdown)")
+    t = p.add_argument_group("step time (--time) and layout search (--search)")
+    t.add_argument("--time", action="store_true", help="estimate the step time on --gpu: compute, exposed "
+                   "communication, bubble, optimizer; tokens/s, TFLOP/s and MFU per GPU")
+    t.add_argument("--search", action="store_true", help="rank every legal, fitting layout of the config on "
+                   "--gpus by estimated tokens/s per GPU and print the top ten")
+    t.add_argument("--gpu", default="h100", help=f"one of {', '.join(gpus_mod.GPUS)} (default h100)")
+    t.add_argument("--gemm-dtype", choices=("bf16", "fp8"), default=None,
+                   help="GEMM precision (attention stays bf16); default bf16, or the published run's")
+    t.add_argument("--overlap", action="store_true", help="model the all-to-all hidden behind the other "
+                   "micro-batch's compute (min(compute, all-to-all) hidden; this trainer does not do it yet)")
+    t.add_argument("--load", metavar="RUN_DIR", help="natural load imbalance measured from a run's expert_load/")
+    t.add_argument("--imbalance", type=float, help="natural load imbalance: the busiest EP rank's load / mean")
+    t.add_argument("--gpu-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a GPU figure, e.g. --gpu-set net_gbs=25 (keys: bf16_tflops, fp8_tflops, "
+                        "hbm_tbs, nvlink_gbs, net_gbs, gpus_per_node)")
+    t.add_argument("--eff-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an efficiency, e.g. --eff-set gemm=0.7 (see docs/PLANS.md)")
     return p
 
 
@@ -97,15 +122,118 @@ def _run_zero(argv: list[str]) -> int:
     return 0
 
 
+def _emit_json(target: str, data: dict) -> None:
+    """JSON to stdout ('-') or written whole to a file (a temporary file renamed: never half-written)."""
+    text = json.dumps(data, indent=1, default=str)
+    if target == "-":
+        print(text)
+        return
+    out = Path(target)
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        tmp.write_text(text + "\n")
+        os.replace(tmp, out)
+    except OSError as e:
+        raise plan.PlanError(f"--json {target} cannot be written ({e.strerror}).") from None
+
+
+def _gpu_eff(args):
+    return gpus_mod.with_overrides(gpus_mod.gpu_named(args.gpu), gpus_mod.Efficiency(), args.gpu_set, args.eff_set)
+
+
+def _natural(args, setup) -> tuple[float | None, str]:
+    if args.load and args.imbalance is not None:
+        raise plan.PlanError("give --load RUN_DIR or --imbalance X, not both.")
+    if args.load:
+        return time_report.load_imbalance(args.load, setup.ep), f"measured from {args.load}"
+    if args.imbalance is not None:
+        return args.imbalance, "--imbalance"
+    return None, "uniform routing's statistical maximum, a lower bound"
+
+
+def _run_time(args, argv) -> int:
+    """--time: a trainer config (this trainer's mechanisms, --overlap) or a published-run file."""
+    if published.is_published_file(args.config):
+        pub, setup = published.load_published(args.config)
+        if args.gpus != pub.gpus:
+            raise plan.PlanError(f"{args.config} describes a run on {pub.gpus} GPUs; give --gpus {pub.gpus}.")
+        mech = pub.mechanisms
+    else:
+        cfg = load_config(args.config, args.set, read_init_from=True)
+        setup = setup_from_config(cfg, args.gpus, args.zero, args.gpus_per_node or cfg.parallel.gpus_per_node or None)
+        mech = time_mod.Mechanisms()
+    mech = time_mod.dataclasses.replace(mech, a2a_overlap=mech.a2a_overlap or args.overlap,
+                                        gemm_dtype=args.gemm_dtype or mech.gemm_dtype)
+    gpu, eff = _gpu_eff(args)
+    balanced = time_mod.step_time(setup, gpu, eff, mech, 1.0)
+    value, source = _natural(args, setup)
+    natural = time_mod.step_time(setup, gpu, eff, mech, value) if setup.ep > 1 else None
+    if args.json:
+        _emit_json(args.json, time_report.time_to_dict(setup, gpu, eff, mech, balanced, natural))
+    if args.json != "-":
+        print(f"## python tools/plan.py {' '.join(shlex.quote(a) for a in argv)}\n")
+        print(time_report.format_time(setup, gpu, eff, mech, balanced, natural, source))
+    return 0
+
+
+def _run_search(args, argv) -> int:
+    cfg = load_config(args.config, args.set, read_init_from=True)
+    gpu, eff = _gpu_eff(args)
+    mech = time_mod.Mechanisms(a2a_overlap=args.overlap, gemm_dtype=args.gemm_dtype or "bf16")
+    value, _ = _natural(args, setup_from_config(cfg, args.gpus))
+    best, tried, fit = search_mod.search(cfg, args.gpus, gpu, eff, mech, args.gpu_memory_gb, value)
+    if not best:
+        raise plan.PlanError(f"none of the {tried} legal layouts of {args.config} on {args.gpus} GPUs fits in "
+                             f"--gpu-memory-gb {args.gpu_memory_gb:g}.")
+    own = time_mod.step_time(setup_from_config(cfg, args.gpus), gpu, eff, mech, value)
+    if args.json:
+        b = best[0]
+        _emit_json(args.json, {"config": args.config, "gpus": args.gpus, "set": args.set + b.overrides(),
+                               "label": b.label(), "tokens_per_s_per_gpu": b.time.tokens_per_s_per_gpu,
+                               "step_s": b.time.step, "peak_gb": b.peak_gb, "gpu": args.gpu})
+    if args.json != "-":
+        rows = [[i + 1, c.label(), f"{c.time.tokens_per_s_per_gpu:,.0f}", f"{c.time.model_tflops_per_gpu:.0f}",
+                 f"{c.time.step:.2f} s", f"{c.time.compute:.2f} / {c.time.exposed_comm:.2f} / {c.time.bubble:.2f}",
+                 f"{c.peak_gb:.1f}", c.reason] for i, c in enumerate(best)]
+        print(f"## python tools/plan.py {' '.join(shlex.quote(a) for a in argv)}\n")
+        print(f"{tried} legal layouts, {fit} fit in {args.gpu_memory_gb:g} GB; {mech.describe()}.\n")
+        print("\n".join(plan.report._table(["#", "layout", "tokens/s per GPU", "TFLOP/s per GPU", "step",
+                                              "compute / exposed comm / bubble", "peak GB", "why it beats the next"],
+                                             rows)))
+        print(f"\nThe config's own layout: {own.tokens_per_s_per_gpu:,.0f} tokens/s per GPU (step {own.step:.2f} s: "
+              f"compute {own.compute:.2f}, exposed comm {own.exposed_comm:.2f}, bubble {own.bubble:.2f}); the best "
+              f"is {best[0].time.tokens_per_s_per_gpu / own.tokens_per_s_per_gpu:.2f}x it.")
+    return 0
+
+
+def _run_calibrate(argv: list[str]) -> int:
+    """The four published runs against their figures."""
+    if argv:
+        print("error: calibrate takes no arguments.", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    rows = []
+    for pub, setup in published.calibration_setups(ROOT):
+        rows.append((pub, time_mod.step_time(setup, gpus_mod.gpu_named(pub.gpu), gpus_mod.Efficiency(),
+                                             pub.mechanisms, 1.0 if pub.balance == "forced" else None)))
+    print(time_report.format_calibration(rows))
+    return 0
+
+
 def _run_plan(argv: list[str]) -> int:
     args = _plan_parser().parse_args(argv)
+    if args.time and args.search:
+        raise plan.PlanError("give --time or --search, not both.")
+    if args.time:
+        return _run_time(args, argv)
+    if args.search:
+        return _run_search(args, argv)
     cfg = load_config(args.config, args.set, read_init_from=True)  # a Hugging Face train.init_from: plan its model
     node = args.gpus_per_node or cfg.parallel.gpus_per_node or 8
     result = plan.make_plan(cfg, args.gpus, args.gpu_memory_gb, args.zero, args.precision, node,
                             plan.Links(args.nvlink_gbps, args.ib_gbps))
     if args.json:
-        print(json.dumps(plan.plan_to_dict(result), indent=1))
-    else:
+        _emit_json(args.json, plan.plan_to_dict(result))
+    if args.json != "-":
         print(plan.format_plan(result, "python tools/plan.py " + " ".join(shlex.quote(a) for a in argv)))
     if not result.fits:
         print(f"error: the plan does not fit: stage {result.peak_stage} needs {plan.fmt_bytes(result.peak_bytes)} "
@@ -117,6 +245,8 @@ def _run_plan(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
+        if argv[:1] == ["calibrate"]:
+            return _run_calibrate(argv[1:])
         return _run_zero(argv[1:]) if argv[:1] == ["zero"] else _run_plan(argv)
     except (ConfigError, plan.PlanError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,124 @@
+"""The figures the step-time model converts work into seconds with: each GPU's datasheet rates and
+links, and the efficiencies kernels and collectives reach, every one with its public source.
+
+Rates are dense (no 2:4 sparsity), per GPU. Link bandwidths are per GPU and per direction in GB/s
+(1e9 bytes/s). NCCL's achievable bus bandwidth is the line rate times an efficiency (nccl-tests
+report bus bandwidth, so the time of a collective is the bytes one rank sends / bus bandwidth).
+Every figure can be overridden from the command line (`tools/plan.py --time --gpu-set key=value`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .params import PlanError
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One accelerator and its links."""
+
+    name: str
+    bf16_tflops: float  # dense tensor-core peak
+    fp8_tflops: float  # dense; 0 = no FP8 tensor cores
+    hbm_tbs: float  # memory bandwidth, TB/s
+    nvlink_gbs: float  # per GPU and direction, GB/s
+    net_gbs: float  # scale-out network per GPU and direction, GB/s
+    gpus_per_node: int
+    source: str
+
+
+# public datasheets (dense figures are half the "with sparsity" ones the datasheets print first)
+GPUS = {
+    "h100": Gpu("H100 SXM5 80GB", 989.4, 1978.9, 3.35, 450.0, 50.0, 8,
+                "NVIDIA H100 Tensor Core GPU datasheet (SXM5: BF16 1,979 / FP8 3,958 TFLOPS with sparsity, HBM3 "
+                "3.35 TB/s, NVLink 900 GB/s both directions); DGX H100: 8 x 400 Gb/s ConnectX-7, one per GPU"),
+    "h800": Gpu("H800 SXM5 80GB", 989.4, 1978.9, 3.35, 200.0, 50.0, 8,
+                "H800: the H100's compute and HBM3 with NVLink cut to 400 GB/s both directions (DeepSeek-V3 "
+                "technical report, arXiv:2412.19437, sec. 3.1: 'NVLink 160 GB/s achievable, IB 50 GB/s' per GPU)"),
+    "h200": Gpu("H200 SXM 141GB", 989.4, 1978.9, 4.8, 450.0, 50.0, 8,
+                "NVIDIA H200 datasheet (H100's tensor cores, HBM3e 4.8 TB/s, NVLink 900 GB/s); HGX H200 with one "
+                "400 Gb/s NIC per GPU"),
+    "b200": Gpu("B200 (HGX)", 2250.0, 4500.0, 8.0, 900.0, 50.0, 8,
+                "NVIDIA DGX B200 datasheet (72 PFLOPS FP8 training per 8 GPUs with sparsity: 4.5 PF FP8, 2.25 PF "
+                "BF16 dense per GPU; HBM3e 8 TB/s; NVLink 5 1.8 TB/s both directions; 8 x 400 Gb/s ConnectX-7)"),
+    "a100": Gpu("A100 SXM4 80GB", 312.0, 0.0, 2.039, 300.0, 25.0, 8,
+                "NVIDIA A100 datasheet (BF16 312 TFLOPS dense, HBM2e 2,039 GB/s, NVLink 3 600 GB/s both "
+                "directions, no FP8); DGX A100: 8 x 200 Gb/s HDR, one per GPU"),
+}
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of a peak that kernels and collectives sustain (one set for every run)."""
+
+    gemm: float = 0.80  # dense GEMM at large shapes, of the tensor-core peak
+    grouped: float = 0.90  # a grouped (per-expert) GEMM relative to a dense one of the same shape
+    fp8_gemm: float = 0.78  # FP8 GEMM with fine-grained scaling, of the FP8 peak
+    attn_fwd: float = 0.60  # flash attention forward, of the BF16 peak
+    attn_bwd: float = 0.45  # flash attention backward
+    memory: float = 0.80  # memory-bound kernels, of the HBM bandwidth
+    nvlink: float = 0.80  # NCCL ring collectives inside a node (bus bandwidth / line rate)
+    net: float = 0.90  # NCCL ring collectives across nodes
+    a2a: float = 0.80  # all-to-all (NVLink and network alike)
+    glue_passes: float = 6.3  # bytes the elementwise glue moves per byte of stored activations (eager)
+    fused_glue: float = 0.57  # a fused framework's (compiled / Megatron-TE) glue bytes per eager byte
+
+
+EFFICIENCY_SOURCES = {
+    "gemm": "maximum achievable matmul FLOPS, H100 SXM BF16 ~792 of 989 TFLOPS (80%), A100 268 of 312 (86%): "
+            "S. Bekman, ml-engineering, compute/accelerator (mamf-finder); smaller shapes are held to their "
+            "roofline (arithmetic intensity x HBM bandwidth) as well",
+    "grouped": "grouped GEMM vs dense GEMM of the same total shape: DeepGEMM (deepseek-ai/DeepGEMM README) "
+               "grouped contiguous-layout MoE GEMMs reach ~90% of its normal GEMMs' TFLOPS on H800",
+    "fp8_gemm": "DeepGEMM (deepseek-ai/DeepGEMM README): FP8 GEMMs with 1x128 / 128x128 scaling up to "
+                "~1,550 TFLOPS on H800 (78% of 1,979)",
+    "attn_fwd": "FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608) BF16 causal forward, head dim 128, "
+                "8K-16K: ~600-660 TFLOPS of 989 on H100",
+    "attn_bwd": "FlashAttention-3 backward, same setting: ~430-480 TFLOPS of 989",
+    "memory": "STREAM-like copy kernels reach ~80-90% of HBM bandwidth on H100 (nvbandwidth / babelstream)",
+    "nvlink": "nccl-tests all_reduce_perf on DGX H100 (8 GPUs, no NVLS): bus bandwidth ~360 GB/s of 450",
+    "net": "nccl-tests across DGX H100 nodes over 8 x 400 Gb/s NDR: bus bandwidth ~45 GB/s of 50 per GPU",
+    "a2a": "DeepEP (deepseek-ai/DeepEP README) on H800: intranode ~153-158 GB/s NVLink (of 200), internode "
+           "~40-46 GB/s RDMA (of 50)",
+    "glue_passes": "measured here: bench.kernel_proxy's bytes read + written outside the GEMMs per token of "
+                   "one MoE layer, over the planner's stored activation bytes per token (6.0 at d 1024, 6.5 at "
+                   "moe_1b_gpu); tests/test_plan_time.py re-measures it",
+    "fused_glue": "measured here: kernel proxy --compiled moves 0.55-0.60x the glue bytes of eager "
+                  "(docs/BENCHMARKS.md, issue #34)",
+}
+
+
+def gpu_named(name: str) -> Gpu:
+    key = name.lower()
+    if key not in GPUS:
+        raise PlanError(f"--gpu must be one of {', '.join(GPUS)}, got {name!r}.")
+    return GPUS[key]
+
+
+def _override(obj, settings: list[str], what: str):
+    """`obj` with `key=value` settings applied (floats), or a PlanError naming the valid keys."""
+    fields = {f.name for f in dataclasses.fields(obj) if f.type in ("float", "int", float, int)}
+    changes = {}
+    for item in settings:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise PlanError(f"{what} takes KEY=VALUE with KEY one of {', '.join(sorted(fields))}, got {item!r}.")
+        try:
+            changes[key] = type(getattr(obj, key))(float(value))
+        except ValueError:
+            raise PlanError(f"{what} {key} must be a number, got {value!r}.") from None
+        if changes[key] < 0:
+            raise PlanError(f"{what} {key} must not be negative, got {value}.")
+    return dataclasses.replace(obj, **changes)
+
+
+def with_overrides(gpu: Gpu, eff: Efficiency, gpu_set: list[str], eff_set: list[str]) -> tuple[Gpu, Efficiency]:
+    """The GPU and efficiencies with `--gpu-set` / `--eff-set` KEY=VALUE overrides."""
+    return _override(gpu, gpu_set, "--gpu-set"), _override(eff, eff_set, "--eff-set")
+
+
+def gpu_table() -> list[list[str]]:
+    """Rows for the docs: name, peaks, HBM, links, source."""
+    return [[k, g.name, f"{g.bf16_tflops:g}", f"{g.fp8_tflops:g}" if g.fp8_tflops else "-", f"{g.hbm_tbs:g}",
+             f"{g.nvlink_gbs:g}", f"{g.net_gbs:g}", g.source] for k, g in GPUS.items()]

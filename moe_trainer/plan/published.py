@@ -1,0 +1,176 @@
+"""The published runs the step-time model is held to, and the published-run files for architectures
+the trainer does not build (configs/qwen3_235b_a22b.yaml, configs/mixtral_8x22b.yaml).
+
+A published-run file has four sections: `published` (the figure, its unit, the GPU, the GPU count,
+the balance it was measured under, its source, and the framework's mechanisms), `model` (Hugging
+Face config.json names of a grouped-query-attention MoE model: qwen3_moe, mixtral), `train` and
+`parallel` (degrees as the recipe gives them; expert TP is 1, EP folds over TP x DP as Megatron's
+MoE parallel folding does). The two trainer configs (Llama 3 405B, DeepSeek-V3) are held to their
+figures with the mechanisms and settings listed in `CALIBRATION`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ..config import ModelConfig
+from .params import PlanError
+from .pipeline import balanced_partition
+from .time import Mechanisms
+from .work import Setup
+
+UNITS = ("tflops_per_gpu", "mfu", "gpu_hours_per_trillion_tokens")
+_MODEL_KEYS = {"model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size"}
+_TRAIN_KEYS = {"seq_len", "micro_batch_size", "global_batch_size"}
+_PARALLEL_KEYS = {"tp", "pp", "ep", "cp", "virtual_stages", "sequence_parallel", "recompute"}
+_PUBLISHED_KEYS = {"name", "gpu", "gpus", "figure", "unit", "balance", "source", "mechanisms"}
+
+
+@dataclass(frozen=True)
+class Published:
+    """A published figure and how the run that produced it was set up."""
+
+    name: str
+    gpu: str
+    gpus: int
+    figure: float
+    unit: str  # UNITS
+    balance: str  # forced | natural
+    source: str
+    mechanisms: Mechanisms = field(default_factory=Mechanisms)
+    config: str = ""  # trainer config (for the trainer's own architectures)
+    overrides: tuple = ()  # --set overrides of that config
+    assumptions: str = ""
+
+
+def is_published_file(path: str) -> bool:
+    """Whether a YAML file is a published-run file (it has a `published` section)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and "published" in data
+
+
+def _section(data: dict, name: str, keys: set, path: str) -> dict:
+    sec = data.get(name)
+    if not isinstance(sec, dict):
+        raise PlanError(f"{path}: section `{name}` is missing or not a mapping.")
+    unknown = sorted(set(sec) - keys)
+    if unknown:
+        raise PlanError(f"{path}: unknown key {name}.{unknown[0]} (valid: {', '.join(sorted(keys))}).")
+    return sec
+
+
+def load_published(path: str) -> tuple[Published, Setup]:
+    """A published-run file as its figure and the setup the time model reads."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise PlanError(f"{path} is not a readable YAML file ({type(e).__name__}).") from None
+    pub = _section(data, "published", _PUBLISHED_KEYS, path)
+    mod = _section(data, "model", _MODEL_KEYS, path)
+    tr = _section(data, "train", _TRAIN_KEYS, path)
+    par = _section(data, "parallel", _PARALLEL_KEYS, path)
+    if mod.get("model_type") not in ("qwen3_moe", "mixtral"):
+        raise PlanError(f"{path}: model.model_type must be qwen3_moe or mixtral, got {mod.get('model_type')!r}.")
+    if pub.get("unit") not in UNITS:
+        raise PlanError(f"{path}: published.unit must be one of {', '.join(UNITS)}, got {pub.get('unit')!r}.")
+    try:
+        mech = Mechanisms(**pub.get("mechanisms", {}))
+        published = Published(name=pub["name"], gpu=pub["gpu"], gpus=int(pub["gpus"]), figure=float(pub["figure"]),
+                              unit=pub["unit"], balance=pub.get("balance", "natural"), source=pub["source"],
+                              mechanisms=mech, config=path)
+        setup = _gqa_moe_setup(mod, tr, par, published.gpus, Path(path).stem)
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanError(f"{path}: a required field is missing or malformed ({e}).") from None
+    return published, setup
+
+
+def _gqa_moe_setup(mod: dict, tr: dict, par: dict, gpus: int, name: str) -> Setup:
+    """Attention counted as Llama's GQA, the FFN as DeepSeekMoE's without shared experts."""
+    common = dict(vocab_size=mod["vocab_size"], hidden_size=mod["hidden_size"],
+                  num_hidden_layers=mod["num_hidden_layers"], num_attention_heads=mod["num_attention_heads"],
+                  num_key_value_heads=mod["num_key_value_heads"], head_dim=mod["head_dim"],
+                  num_nextn_predict_layers=0)
+    attn = ModelConfig(arch="llama3", intermediate_size=1, **common)
+    ffn = ModelConfig(arch="deepseek_v3", first_k_dense_replace=0, n_routed_experts=mod["num_experts"],
+                      num_experts_per_tok=mod["num_experts_per_tok"], n_shared_experts=0,
+                      moe_intermediate_size=mod["moe_intermediate_size"], n_group=1, topk_group=1, **common)
+    tp, pp, cp, ep, v = (int(par[k]) for k in ("tp", "pp", "cp", "ep", "virtual_stages"))
+    if gpus % (tp * pp * cp):
+        raise PlanError(f"published.gpus ({gpus}) must be a multiple of tp x pp x cp ({tp * pp * cp}).")
+    dp = gpus // (tp * pp * cp)
+    if (tp * dp * cp) % ep or mod["num_experts"] % ep:
+        raise PlanError(f"ep ({ep}) must divide tp x dp x cp ({tp * dp * cp}) and the experts ({mod['num_experts']}).")
+    mbs, gbs = int(tr["micro_batch_size"]), int(tr["global_batch_size"])
+    if gbs % (mbs * dp):
+        raise PlanError(f"train.global_batch_size ({gbs}) must be a multiple of micro_batch_size x dp ({mbs * dp}).")
+    chunks = balanced_partition(mod["num_hidden_layers"], pp * v)
+    partition = tuple(sum(chunks[c] for c in range(r, pp * v, pp)) for r in range(pp))
+    return Setup(name=name, attn=attn, ffn=ffn, gpus=gpus, tp=tp, cp=cp, pp=pp, virtual_stages=v, ep=ep, dp=dp,
+                 micro_batches=gbs // (mbs * dp), micro_batch_size=mbs, seq_len=int(tr["seq_len"]),
+                 recompute=par.get("recompute", "none"), sequence_parallel=bool(par.get("sequence_parallel", True)),
+                 zero=1, dedup_dispatch=False, gpus_per_node=8, partition=partition, moe_order=True)
+
+
+# ----------------------------------------------------------------------------- the four calibration runs
+
+CALIBRATION = (
+    Published(
+        name="Llama 3 405B, 8K (The Llama 3 Herd of Models, arXiv:2407.21783, Table 4)", gpu="h100", gpus=16384,
+        figure=400.0, unit="tflops_per_gpu", balance="forced",
+        source="arXiv:2407.21783 sec. 3.3.2, Table 4: 16,384 H100, TP 8, CP 1, PP 16, DP 128, 400 TFLOPs/GPU",
+        mechanisms=Mechanisms(tp_overlap=False, dp_overlap=True, p2p_overlap=True, dp_reduce_scatter=True,
+                              fused_glue=True),
+        config="configs/llama3_405b.yaml", overrides=("parallel.virtual_stages=2",),
+        assumptions="interleaved 1F1B with v = 2 chunks per rank (the paper uses an interleaved schedule and "
+                    "does not give v; 126 layers on 32 chunks); data-parallel reduction overlapped with the "
+                    "backward and pipeline sends asynchronous (sec. 3.3.2); TP collectives exposed"),
+    Published(
+        name="DeepSeek-V3 671B (DeepSeek-V3 technical report, arXiv:2412.19437)", gpu="h800", gpus=2048,
+        figure=180e3, unit="gpu_hours_per_trillion_tokens", balance="natural",
+        source="arXiv:2412.19437 sec. 1 and 3: 180K H800 GPU hours per trillion tokens; 2,048 H800, PP 16, "
+               "EP 64 over 8 nodes, ZeRO-1 DP, DualPipe, FP8 GEMMs, 20 of 132 SMs for communication",
+        mechanisms=Mechanisms(a2a_overlap=True, dp_overlap=True, p2p_overlap=True, schedule="dualpipe",
+                              comm_sm_share=20 / 132, fused_glue=True, gemm_dtype="fp8"),
+        config="configs/deepseek_v3_671b.yaml", overrides=("parallel.recompute=none",),
+        assumptions="DualPipe: all-to-all and pipeline sends hidden behind the paired micro-batch's compute, "
+                    "bubble (p/2 - 1)(F&B + B - 3W) with W = B/2, compute slowed by the 20 SMs given to "
+                    "communication; FP8 GEMMs, BF16 attention; recomputation of RMSNorm and the MLA "
+                    "up-projections only (counted as none); load imbalance of uniform routing (the bias "
+                    "balances the expected load); 120 micro-batches per step (15,360 sequences of 4K)"),
+)
+
+
+def calibration_setups(root: Path) -> list[tuple[Published, Setup]]:
+    """The four runs and their setups: the two trainer configs above with their overrides, and the
+    two published-run files."""
+    from ..config import load_config
+    from .work import setup_from_config
+    out = []
+    for pub in CALIBRATION:
+        cfg = load_config(str(root / pub.config), list(pub.overrides))
+        out.append((pub, setup_from_config(cfg, pub.gpus, name=Path(pub.config).stem)))
+    for name in ("qwen3_235b_a22b.yaml", "mixtral_8x22b.yaml"):
+        pub, setup = load_published(str(root / "configs" / name))
+        out.append((dataclasses.replace(pub, config=f"configs/{name}"), setup))
+    return out
+
+
+def estimate_in_unit(unit: str, tokens_per_s_per_gpu: float, tflops: float, mfu: float) -> float:
+    """The estimate in the published figure's unit."""
+    if unit == "tflops_per_gpu":
+        return tflops
+    if unit == "mfu":
+        return mfu
+    return 1e12 / tokens_per_s_per_gpu / 3600  # GPU hours per trillion tokens
+
+
+def ratio(unit: str, estimate: float, figure: float) -> float:
+    """Estimated over published speed (> 1: the model predicts faster than published)."""
+    return figure / estimate if unit == "gpu_hours_per_trillion_tokens" else estimate / figure

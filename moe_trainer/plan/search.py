@@ -1,0 +1,152 @@
+"""Layout search: every legal layout of a config on N GPUs (the trainer's own validation decides what
+is legal), those that fit in the GPU's memory (the planner's memory model), ranked by the step-time
+model's tokens per second per GPU.
+
+Enumerated: tp (powers of two up to the node), cp (1, and 2..8 for sequences of 32K and more, where
+it pays), pp (powers of two up to the layers), virtual stages (1, 2, 4), ep (powers of two dividing
+the experts, MoE only), micro-batch size (1, 2) and recomputation (none, selective, full). The
+global batch stays the config's (micro-batches per step follow from dp and the micro-batch size).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from ..config import Config, ConfigError, validate, validate_layout
+from .gpus import Efficiency, Gpu
+from .memory import model_state_bytes, rank_params, stage_activation_bytes
+from .params import GB, precision_for
+from .pipeline import balanced_partition
+from .time import Mechanisms, StepTime, step_time
+from .work import setup_from_config
+
+
+@dataclass(frozen=True)
+class Candidate:
+    tp: int
+    cp: int
+    pp: int
+    virtual_stages: int
+    ep: int
+    dp: int
+    micro_batch_size: int
+    recompute: str
+    peak_gb: float
+    time: StepTime
+    reason: str = ""
+
+    def label(self) -> str:
+        v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return (f"tp {self.tp} cp {self.cp} pp {self.pp}{v} ep {self.ep} dp {self.dp} mbs {self.micro_batch_size} "
+                f"recompute {self.recompute}")
+
+    def overrides(self) -> list[str]:
+        """--set overrides that give this layout to the trainer, the dry run or the planner."""
+        return [f"parallel.tp={self.tp}", f"parallel.cp={self.cp}", f"parallel.pp={self.pp}",
+                f"parallel.virtual_stages={self.virtual_stages}", f"parallel.ep={self.ep}",
+                f"train.micro_batch_size={self.micro_batch_size}", f"parallel.recompute={self.recompute}",
+                "parallel.micro_batches=0", "parallel.pp_partition=null"]
+
+
+def _powers(limit: int) -> list[int]:
+    out, n = [], 1
+    while n <= limit:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def _with(cfg: Config, tp, cp, pp, v, ep, mbs, recompute) -> Config:
+    c = copy.copy(cfg)
+    c.parallel = dataclasses.replace(cfg.parallel, tp=tp, cp=cp, pp=pp, virtual_stages=v, ep=ep, micro_batches=0,
+                                     recompute=recompute, pp_partition=None)
+    c.train = dataclasses.replace(cfg.train, micro_batch_size=mbs)
+    return c
+
+
+def _per_rank_partition(layers: int, pp: int, v: int) -> list[int]:
+    chunks = balanced_partition(layers, pp * v)
+    return [sum(chunks[c] for c in range(r, pp * v, pp)) for r in range(pp)]
+
+
+def peak_memory(cfg: Config, gpus: int, node: int, zero: int = 1) -> float:
+    """Bytes on the heaviest rank (model states under ZeRO + activations under the recompute)."""
+    layout = validate_layout(cfg, gpus, node)
+    prec = precision_for(None, cfg.train.dtype, cfg.train.grad_accum_dtype)
+    p = cfg.parallel
+    partition = _per_rank_partition(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)
+    worst = 0.0
+    for stage, params in enumerate(rank_params(cfg.model, p, partition)):
+        states = model_state_bytes(params, prec, zero, layout.dp * layout.cp, layout.edp)
+        acts = stage_activation_bytes(cfg, partition, stage, layout.grad_accum, prec)
+        act = acts.full_recompute if p.recompute == "full" else acts.no_recompute
+        worst = max(worst, states.total + act)
+    return worst
+
+
+def candidates(cfg: Config, gpus: int, node: int) -> list[Config]:
+    """Every layout the trainer's validation accepts."""
+    m, t = cfg.model, cfg.train
+    moe = m.arch == "deepseek_v3" and m.num_hidden_layers > m.first_k_dense_replace
+    cps = [c for c in _powers(8) if c == 1 or t.seq_len >= 32768]
+    eps = [e for e in _powers(m.n_routed_experts) if not moe and e == 1 or moe and m.n_routed_experts % e == 0]
+    out = []
+    for tp in _powers(node):
+        for cp in cps:
+            for pp in _powers(m.num_hidden_layers):
+                if gpus % (tp * cp * pp):
+                    continue
+                for v in (1, 2, 4):
+                    for ep in eps:
+                        for mbs in (1, 2):
+                            for rc in ("none", "selective", "full"):
+                                c = _with(cfg, tp, cp, pp, v, ep, mbs, rc)
+                                try:
+                                    validate(c)
+                                    validate_layout(c, gpus, node)
+                                except ConfigError:
+                                    continue
+                                out.append(c)
+    return out
+
+
+def search(cfg: Config, gpus: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms, gpu_memory_gb: float,
+           imbalance: Optional[float] = None, top: int = 10) -> tuple[list[Candidate], int, int]:
+    """(the `top` fastest fitting layouts, layouts tried, layouts that fit)."""
+    node = cfg.parallel.gpus_per_node or gpu.gpus_per_node
+    found, tried = [], 0
+    for c in candidates(cfg, gpus, node):
+        tried += 1
+        peak = peak_memory(c, gpus, node)
+        if peak > gpu_memory_gb * GB:
+            continue
+        s = setup_from_config(c, gpus, gpus_per_node=node, partition=tuple(
+            _per_rank_partition(c.model.num_hidden_layers, c.parallel.pp, c.parallel.virtual_stages)))
+        r = step_time(s, gpu, eff, mech, imbalance)
+        p = c.parallel
+        found.append(Candidate(p.tp, p.cp, p.pp, p.virtual_stages, p.ep, s.dp, c.train.micro_batch_size, p.recompute,
+                               peak / GB, r))
+    found.sort(key=lambda x: -x.time.tokens_per_s_per_gpu)
+    best = found[:top]
+    return [dataclasses.replace(x, reason=_reason(x, best[i + 1] if i + 1 < len(best) else None))
+            for i, x in enumerate(best)], tried, len(found)
+
+
+_PARTS = (("compute", "compute"), ("exposed_comm", "exposed communication"), ("bubble", "bubble"),
+          ("optimizer", "optimizer"))
+
+
+def _reason(a: Candidate, b: Optional[Candidate]) -> str:
+    """What makes `a` faster than the next one down: the part of the step it saves most on."""
+    if b is None:
+        return "last of the list"
+    ta, tb = a.time, b.time
+    # per token, so layouts with other micro-batch sizes compare alike
+    per = lambda t, k: getattr(t, k) / t.tokens_per_s_per_gpu / t.step  # noqa: E731  (seconds per token)
+    gains = {label: per(tb, key) - per(ta, key) for key, label in _PARTS}
+    label, gain = max(gains.items(), key=lambda kv: kv[1])
+    if gain <= 0:
+        return "ties with the next"
+    return f"{label} {gain / per(tb, 'step'):.1%} of the next one's step shorter"

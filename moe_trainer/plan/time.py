@@ -1,0 +1,234 @@
+"""Step time of a layout on a named GPU: compute, exposed communication, pipeline bubble and the
+optimizer step, tokens/s, TFLOP/s and MFU per GPU. Pure numbers (work.py counts, gpus.py converts).
+
+The model, per optimizer step, on the busiest pipeline stage (the one with the most compute):
+- compute per micro-batch: every GEMM at the roofline of its shape (FLOPs at the efficiency of its
+  kind and dtype, or its operand bytes at the HBM rate, whichever is slower; backward = 2 GEMMs of
+  the forward's size each), the causal flash-attention core at its forward / backward efficiency,
+  and the memory-bound glue (its bytes at the HBM rate); recomputation adds a forward (full) or the
+  attention core's forward (selective). Routed experts' GEMMs scale with the load imbalance (the
+  busiest EP rank's share over the mean).
+- communication per micro-batch: the planner's bytes (comm.py) over NCCL's achievable bus bandwidth:
+  TP and CP rings inside a node at NVLink speed (across nodes: the network's), the expert
+  all-to-all's NVLink and network parts at once (both scaled by the imbalance), pipeline sends over
+  the network. Per step: the ZeRO-1 gradient reduction and parameter all-gather.
+- exposed: what the framework does not hide (`Mechanisms`): our trainer today overlaps none of it;
+  `--overlap` hides the all-to-all behind the other micro-batch's compute (min(compute, a2a)), as
+  DualPipe and Megatron's combined 1F1B do.
+- schedule: m micro-batches of (compute + exposed) and the bubble (p-1)/v of them (1F1B, interleaved
+  over v chunks: (p-1)/(v m + p-1) of the whole), or DualPipe's (p/2 - 1)(F&B + B - 3W).
+- optimizer: Adam over the rank's ZeRO-1 shard, memory-bound (fp32 grad, master, m, v).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from .gpus import Efficiency, Gpu
+from .params import PlanError, is_moe_layer
+from .work import (Gemm, Setup, block_work, dp_strides, ep_remote_share, head_work, rank_bytes, spans_nodes,
+                   stage_blocks, uniform_imbalance)
+
+SCHEDULES = ("1f1b", "dualpipe")
+
+
+@dataclass(frozen=True)
+class Mechanisms:
+    """What the framework running the layout overlaps and how it schedules. The defaults are this
+    trainer today: no all-to-all overlap (parallel.overlap is issue #45), DeepSpeed ZeRO-1 without
+    overlap_comm (parallel/zero.py: the reduction runs after the last backward), blocking pipeline
+    sends, TP/CP collectives between the GEMMs, eager glue kernels."""
+
+    a2a_overlap: bool = False  # the all-to-all hidden behind the other micro-batch's compute
+    tp_overlap: bool = False  # TP collectives hidden behind the GEMMs (Megatron --tp-comm-overlap)
+    dp_overlap: bool = False  # gradient reduce / parameter gather overlapped with the backward / forward
+    p2p_overlap: bool = False  # pipeline sends in the background
+    dp_reduce_scatter: bool = False  # ZeRO-1 reduce-scatters gradients (Megatron); DeepSpeed all-reduces them
+    schedule: str = "1f1b"  # 1f1b (interleaved when virtual_stages > 1) | dualpipe
+    comm_sm_share: float = 0.0  # share of the SMs communication kernels hold while overlapping
+    fused_glue: bool = False  # a fused framework's glue (Megatron-TE, DeepSeek's kernels)
+    gemm_dtype: str = "bf16"  # bf16 | fp8 (attention stays bf16)
+
+    def describe(self) -> str:
+        on = [n for n in ("a2a_overlap", "tp_overlap", "dp_overlap", "p2p_overlap", "dp_reduce_scatter",
+                          "fused_glue") if getattr(self, n)]
+        extra = f", {self.comm_sm_share:.0%} of SMs to communication" if self.comm_sm_share else ""
+        return f"schedule {self.schedule}, GEMMs {self.gemm_dtype}, {', '.join(on) or 'nothing overlapped'}{extra}"
+
+
+TRAINER_TODAY = Mechanisms()
+
+# whether this trainer overlaps each communication today (the report's column)
+TRAINER_OVERLAPS = {
+    "tensor parallel": "no (collectives between the GEMMs)",
+    "context parallel": "no (K/V all-gather before attention)",
+    "expert all-to-all": "no (parallel.overlap a2a is issue #45; --overlap models it)",
+    "pipeline send/recv": "no (blocking sends between the schedule's steps)",
+    "ZeRO-1 reductions": "no (DeepSpeed's overlap_comm is off: parallel/zero.py writes stage 1 only)",
+}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One layout's step, seconds, on the busiest stage; per GPU rates."""
+
+    compute: float  # m x compute per micro-batch
+    exposed_comm: float  # TP + CP + all-to-all + pipeline sends not hidden, and the data-parallel step
+    bubble: float
+    optimizer: float
+    step: float
+    tokens_per_s_per_gpu: float
+    model_tflops_per_gpu: float
+    mfu: float  # model TFLOP/s over the peak of the GEMM dtype's... BF16 peak (as the published MFUs)
+    imbalance: float
+    stage: int  # the busiest stage
+    split: dict  # per kind: seconds per step, exposed
+    totals: dict  # per kind: seconds per step, before overlap
+    flops_per_token: float  # model FLOPs (forward + backward, no recomputation, causal attention)
+    micro_batch_compute: float
+
+
+def _gemm_seconds(g: Gemm, gpu: Gpu, eff: Efficiency, mech: Mechanisms, imbalance_applied: bool = True) -> float:
+    """One forward of `g`: FLOPs at the kind's rate, or operand bytes at HBM speed, the slower."""
+    fp8 = mech.gemm_dtype == "fp8"
+    peak = (gpu.fp8_tflops if fp8 else gpu.bf16_tflops) * 1e12
+    rate = peak * (eff.fp8_gemm if fp8 else eff.gemm) * (eff.grouped if g.grouped else 1.0)
+    elem = 1 if fp8 else 2
+    moved = (g.rows * g.inner + g.inner * g.cols + g.rows * g.cols) * elem * g.count
+    return max(g.flops / rate, moved / (gpu.hbm_tbs * 1e12 * eff.memory))
+
+
+def _passes(recompute: str) -> float:
+    return 2.0 if recompute == "full" else 1.0
+
+
+def stage_compute(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms,
+                  imbalance: float) -> dict[str, float]:
+    """Seconds of one micro-batch's forward + backward (+ recompute) on one rank of `stage`, by kind."""
+    out = {"gemm": 0.0, "expert_gemm": 0.0, "attention": 0.0, "glue": 0.0}
+    glue = eff.glue_passes * (eff.fused_glue if mech.fused_glue else 1.0)
+    hbm = gpu.hbm_tbs * 1e12 * eff.memory
+    attn_peak = gpu.bf16_tflops * 1e12
+    fwd_passes = _passes(s.recompute)
+    kinds: dict = {}  # blocks of one kind (dense / MoE / MTP) cost the same: count each kind once
+    for layer in stage_blocks(s, stage):
+        key = (is_moe_layer(s.ffn, layer), layer >= s.ffn.num_hidden_layers)
+        kinds[key] = (kinds.get(key, (layer, 0))[0], kinds.get(key, (layer, 0))[1] + 1)
+    for layer, n in kinds.values():
+        w = block_work(s, layer, imbalance)
+        for g in w.gemms:
+            out["expert_gemm" if g.grouped else "gemm"] += n * (fwd_passes + 2) * _gemm_seconds(g, gpu, eff, mech)
+        attn_fwd = w.attn_flops / (attn_peak * eff.attn_fwd)
+        extra = attn_fwd if s.recompute in ("full", "selective") else 0.0
+        out["attention"] += n * (attn_fwd + extra + w.attn_bwd_flops / (attn_peak * eff.attn_bwd))
+        # the glue's measured ratio covers forward + backward: a third of it is the forward's
+        out["glue"] += n * glue * w.glue_bytes / hbm * (1 + (fwd_passes - 1) / 3)
+    if stage == s.pp - 1:  # the output heads stay in BF16 under FP8 GEMMs (DeepSeek-V3 report, 3.3.1)
+        gemms, head_glue = head_work(s)
+        head_mech = dataclasses.replace(mech, gemm_dtype="bf16")
+        out["gemm"] += sum(3 * _gemm_seconds(g, gpu, eff, head_mech) for g in gemms)
+        out["glue"] += glue * head_glue / hbm
+    if mech.a2a_overlap and mech.comm_sm_share:
+        out = {k: v / (1 - mech.comm_sm_share) for k, v in out.items()}
+    return out
+
+
+def _ring_seconds(nbytes: float, group: int, stride: int, gpu: Gpu, eff: Efficiency) -> float:
+    """A ring collective: bytes sent per rank over the bus bandwidth of the links it crosses."""
+    if group <= 1 or not nbytes:
+        return 0.0
+    across = spans_nodes(group, stride, gpu.gpus_per_node)
+    return nbytes / ((gpu.net_gbs * eff.net if across else gpu.nvlink_gbs * eff.nvlink) * 1e9)
+
+
+def comm_seconds(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, imbalance: float,
+                 reduce_scatter: bool = False) -> dict[str, float]:
+    """Per micro-batch (tp, cp, a2a, p2p) and per step (dp) seconds of one rank of `stage`;
+    `reduce_scatter`: ZeRO-1 reduce-scatters gradients (Megatron) instead of all-reducing (DeepSpeed)."""
+    from .comm import zero_comm
+    from .params import Precision
+    rb = rank_bytes(s, stage)
+    remote = ep_remote_share(s)
+    a2a = rb.a2a_bytes * imbalance
+    a2a_s = max(a2a * (1 - remote) / (gpu.nvlink_gbs * eff.a2a * 1e9),
+                a2a * remote / (gpu.net_gbs * eff.a2a * 1e9)) if a2a else 0.0
+    p2p_across = s.gpus > gpu.gpus_per_node
+    p2p_s = rb.p2p_bytes / ((gpu.net_gbs * eff.net if p2p_across else gpu.nvlink_gbs * eff.nvlink) * 1e9)
+    prec = Precision("time", s.param_bytes, s.grad_bytes, 12, s.act_bytes, "")
+    dense_stride, expert_stride = dp_strides(s)
+    group = s.dp * s.cp
+    dense = zero_comm(rb.dense_params, group, s.zero, s.micro_batches, prec,
+                      stage1_all_reduce=not reduce_scatter)
+    expert = zero_comm(rb.expert_params, s.edp, s.zero, s.micro_batches, prec,
+                       stage1_all_reduce=not reduce_scatter)
+    dp_s = _ring_seconds(dense.total, group, dense_stride, gpu, eff) + \
+        _ring_seconds(expert.total, s.edp, expert_stride, gpu, eff)
+    return {"tensor": _ring_seconds(rb.tp_bytes, s.tp, 1, gpu, eff),
+            "context": _ring_seconds(rb.cp_bytes, s.cp, s.tp, gpu, eff),
+            "all_to_all": a2a_s, "pipeline": p2p_s if s.pp > 1 else 0.0, "data_parallel": dp_s,
+            "shard_params": (rb.dense_params / group + rb.expert_params / s.edp)}
+
+
+def model_flops_per_token(s: Setup) -> float:
+    """Model FLOPs per trained token, whole model: 3 x the forward's GEMMs (activated experts) and
+    causal attention core, no recomputation: Megatron-LM's num_floating_point_operations (causal core
+    attention) and this trainer's metrics.train_flops_per_token count the same."""
+    one = dataclasses.replace(s, tp=1, cp=1, ep=1, pp=1, virtual_stages=1, recompute="none",
+                              sequence_parallel=False, partition=(s.ffn.num_hidden_layers,))
+    total = 0.0
+    for layer in stage_blocks(one, 0):
+        w = block_work(one, layer)
+        total += sum(g.flops for g in w.gemms) + w.attn_flops
+    total += sum(g.flops for g in head_work(one)[0])
+    return 3 * total / one.tokens
+
+
+def step_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms = TRAINER_TODAY,
+              imbalance: Optional[float] = None) -> StepTime:
+    """The step of `s` on `gpu`; `imbalance`: the busiest EP rank's load over the mean (None: uniform
+    routing's statistical maximum, `uniform_imbalance`)."""
+    if mech.schedule not in SCHEDULES:
+        raise PlanError(f"schedule must be one of {', '.join(SCHEDULES)}, got {mech.schedule!r}.")
+    if mech.gemm_dtype == "fp8" and not gpu.fp8_tflops:
+        raise PlanError(f"--gemm-dtype fp8 needs FP8 tensor cores; the {gpu.name} has none.")
+    f = uniform_imbalance(s) if imbalance is None else imbalance
+    if f < 1:
+        raise PlanError(f"the load imbalance (busiest EP rank over the mean) must be at least 1, got {f:g}.")
+    per_stage = [(stage_compute(s, st, gpu, eff, mech, f),
+                  comm_seconds(s, st, gpu, eff, f, mech.dp_reduce_scatter)) for st in range(s.pp)]
+    stage = max(range(s.pp), key=lambda st: sum(per_stage[st][0].values()))
+    kinds, comm = per_stage[stage]
+    c = sum(kinds.values())
+    exposed = {
+        "tensor": max(0.0, comm["tensor"] - kinds["gemm"]) if mech.tp_overlap else comm["tensor"],
+        "context": max(0.0, comm["context"] - kinds["attention"]) if mech.tp_overlap else comm["context"],
+        "all_to_all": max(0.0, comm["all_to_all"] - c) if mech.a2a_overlap else comm["all_to_all"],
+        "pipeline": 0.0 if mech.p2p_overlap else comm["pipeline"],
+    }
+    per_mb = c + sum(exposed.values())
+    m, p, v = s.micro_batches, s.pp, s.virtual_stages
+    if mech.schedule == "dualpipe":
+        fwd = c / 3
+        bubble = max(0.0, p / 2 - 1) * (fwd + 0.5 * (c - fwd))
+    else:
+        bubble = (p - 1) / v * per_mb
+    dp = comm["data_parallel"]
+    dp_exposed = max(0.0, dp - per_mb) if mech.dp_overlap else dp
+    hbm = gpu.hbm_tbs * 1e12 * eff.memory
+    optimizer = comm["shard_params"] * (4 + 12 * 2 + s.param_bytes) / hbm
+    total = m * per_mb + bubble + dp_exposed + optimizer
+    tokens = m * s.micro_batch_size * s.seq_len * s.dp / s.gpus  # per GPU per step
+    flops = model_flops_per_token(s)
+    tflops = flops * tokens / total / 1e12
+    split = {**{k: m * v_ for k, v_ in exposed.items()}, "data_parallel": dp_exposed}
+    totals = {**{k: m * comm[k] for k in ("tensor", "context", "all_to_all", "pipeline")}, "data_parallel": dp,
+              **{f"compute.{k}": m * v_ for k, v_ in kinds.items()}}
+    return StepTime(compute=m * c, exposed_comm=sum(split.values()), bubble=bubble, optimizer=optimizer,
+                    step=total, tokens_per_s_per_gpu=tokens / total, model_tflops_per_gpu=tflops,
+                    mfu=tflops / gpu.bf16_tflops, imbalance=f, stage=stage, split=split, totals=totals,
+                    flops_per_token=flops, micro_batch_compute=c)
+
+
+def step_time_to_dict(r: StepTime) -> dict:
+    return dataclasses.asdict(r)
