@@ -1,0 +1,143 @@
+"""The step-time model (plan/time.py) and the layout search (plan/search.py): the analytic counts held
+to the project's own counting (the kernel proxy, the trainer's metrics), the schedule's formulas, the
+four published runs, the search's speed, and the command line."""
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_trainer import metrics
+from moe_trainer.bench import kernel_proxy
+from moe_trainer.config import load_config
+from moe_trainer.plan import published
+from moe_trainer.plan.gpus import Efficiency, gpu_named
+from moe_trainer.plan.memory import layer_acts
+from moe_trainer.plan.search import search
+from moe_trainer.plan.time import Mechanisms, model_flops_per_token, step_time
+from moe_trainer.plan.time_report import load_imbalance
+from moe_trainer.plan.work import block_work, setup_from_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(name, *overrides):
+    cfg = load_config(str(ROOT / "configs" / name), list(overrides))
+    if cfg.model.vocab_size == "auto":
+        cfg.model.vocab_size = 320
+    return cfg
+
+
+@pytest.mark.parametrize("name,overrides", [("moe_tiny.yaml", []), ("llama3_tiny.yaml", []),
+                                            ("deepseek_v3_671b.yaml", []), ("llama3_405b.yaml", [])])
+def test_model_flops_equal_the_trainers_count(name, overrides):
+    cfg = _cfg(name, *overrides)
+    s = setup_from_config(cfg, cfg.parallel.pp * cfg.parallel.tp * cfg.parallel.cp * max(1, cfg.parallel.ep))
+    ours = model_flops_per_token(s)
+    theirs = metrics.train_flops_per_token(cfg.model, cfg.train.seq_len)
+    # the trainer counts (T + 1) / 2 keys per query, the model T / 2: a few parts in 10^4 apart
+    assert ours == pytest.approx(theirs, rel=2e-3)
+
+
+@pytest.mark.parametrize("case", ["layer", "moe_1b_gpu"])
+def test_layer_flops_equal_the_kernel_proxys_count(case):
+    """One MoE layer's GEMM and attention FLOPs, forward + backward, as the proxy counts them op by op on
+    the meta device (router and all: every 2-D weight the layer multiplies)."""
+    cfg, micro_batch, _ = kernel_proxy._config(case)
+    counted = kernel_proxy.count(case)
+    cfg.train.micro_batch_size = micro_batch
+    s = setup_from_config(cfg, 1)
+    w = block_work(s, cfg.model.first_k_dense_replace)
+    assert 3 * sum(g.flops for g in w.gemms) == pytest.approx(counted["gemm"]["flops"], rel=0.01)
+    assert w.attn_flops + w.attn_bwd_flops == pytest.approx(counted["sdpa"]["flops"], rel=0.01)
+
+
+@pytest.mark.parametrize("case", ["layer", "moe_1b_gpu"])
+def test_glue_ratio_is_the_proxys(case):
+    """Efficiency.glue_passes is the proxy's glue bytes over the planner's stored activation bytes."""
+    cfg, _, _ = kernel_proxy._config(case)
+    counted = kernel_proxy.count(case)
+    acts = layer_acts(cfg.model, cfg.model.first_k_dense_replace, 1, 2).per_rank(1, False)
+    ratio = (counted["bytes_written_per_token"] + counted["bytes_read_per_token"]) / acts
+    assert ratio == pytest.approx(Efficiency().glue_passes, rel=0.1)
+
+
+def test_bubble_and_overlap_follow_their_formulas():
+    cfg = _cfg("deepseek_v3_671b.yaml")
+    s = setup_from_config(cfg, 2048)
+    gpu, eff = gpu_named("h800"), Efficiency()
+    plain = step_time(s, gpu, eff, Mechanisms(), 1.0)
+    per_mb = plain.step - plain.bubble - plain.split["data_parallel"] - plain.optimizer
+    p, m = s.pp, s.micro_batches
+    assert plain.bubble / (per_mb + plain.bubble) == pytest.approx((p - 1) / (m + p - 1), rel=1e-9)
+    over = step_time(s, gpu, eff, Mechanisms(a2a_overlap=True), 1.0)
+    a2a = plain.totals["all_to_all"]
+    hidden = min(plain.compute, a2a)
+    assert over.split["all_to_all"] == pytest.approx(a2a - hidden, rel=1e-9)
+    assert over.step < plain.step
+    inter = step_time(dataclasses.replace(s, virtual_stages=4), gpu, eff, Mechanisms(), 1.0)
+    busy = inter.step - inter.bubble - inter.split["data_parallel"] - inter.optimizer
+    assert inter.bubble / (busy + inter.bubble) == pytest.approx((p - 1) / (4 * m + p - 1), rel=1e-9)
+    worse = step_time(s, gpu, eff, Mechanisms(), 1.3)
+    assert worse.totals["compute.expert_gemm"] > plain.totals["compute.expert_gemm"] * 1.25
+
+
+def test_the_published_runs():
+    """Llama 3 405B and Mixtral 8x22B land within +-20% of their published figures. DeepSeek-V3 and
+    Qwen3-235B-A22B do not: the model predicts them 1.3x and 1.6x faster than published (docs/PLANS.md
+    names what it leaves out); held here so that a change to either shows."""
+    got = {}
+    for pub, setup in published.calibration_setups(ROOT):
+        r = step_time(setup, gpu_named(pub.gpu), Efficiency(), pub.mechanisms, 1.0 if pub.balance == "forced" else None)
+        est = published.estimate_in_unit(pub.unit, r.tokens_per_s_per_gpu, r.model_tflops_per_gpu, r.mfu)
+        got[pub.name.split(" (")[0]] = published.ratio(pub.unit, est, pub.figure)
+    assert 0.8 <= got["Llama 3 405B, 8K"] <= 1.2
+    assert 0.8 <= got["Mixtral 8x22B"] <= 1.2
+    assert 1.2 < got["DeepSeek-V3 671B"] < 1.45
+    assert 1.45 < got["Qwen3-235B-A22B"] < 1.7
+
+
+@pytest.mark.parametrize("name,gpus,gpu", [("deepseek_v3_671b.yaml", 2048, "h800"), ("llama3_405b.yaml", 16384, "h100")])
+def test_search_is_fast_and_fits(name, gpus, gpu):
+    cfg = _cfg(name)
+    start = time.perf_counter()
+    best, tried, fit = search(cfg, gpus, gpu_named(gpu), Efficiency(), Mechanisms(), 80.0)
+    assert time.perf_counter() - start < 60
+    assert len(best) == 10 and fit >= 10 and tried > fit
+    assert all(c.peak_gb <= 80 for c in best)
+    speeds = [c.time.tokens_per_s_per_gpu for c in best]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_load_imbalance_from_a_run_directory(tmp_path):
+    from moe_trainer.expert_load.files import write_expert_load
+    counts = torch.tensor([[4.0, 4, 4, 4], [8, 0, 4, 4]])  # layer 1: rank 0 (experts 0, 1) holds 8 of 16
+    write_expert_load(tmp_path, 10, counts)
+    assert load_imbalance(str(tmp_path), 2) == pytest.approx((1.0 + 1.0) / 2)
+    assert load_imbalance(str(tmp_path), 4) == pytest.approx((1.0 + 2.0) / 2)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "plan.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+def test_cli_time_search_and_bad_input(tmp_path):
+    out = _cli("--config", "configs/qwen3_235b_a22b.yaml", "--gpus", "256", "--time", "--json", str(tmp_path / "t.json"))
+    assert out.returncode == 0, out.stderr
+    assert "tokens/s per GPU" in out.stdout
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["balanced"]["step"] > 0 and data["layout"]["ep"] == 32
+    bad = _cli("--config", "configs/moe_tiny.yaml", "--gpus", "2", "--time", "--gpu", "tpu")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--gpu must be one of" in bad.stderr
+    plan = tmp_path / "plan.json"
+    out = _cli("--config", "configs/deepseek_v3_671b.yaml", "--gpus", "2048", "--search", "--gpu", "h800",
+               "--json", str(plan))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("\n| ") >= 11 and "The config's own layout" in out.stdout
+    best = json.loads(plan.read_text())
+    assert best["gpus"] == 2048 and any(s.startswith("parallel.ep=") for s in best["set"])
