@@ -67,11 +67,26 @@ def parse_args(argv):
                    "extrapolated exactly (both are linear in the count; the peak is already reached); "
                    "all: run every micro-batch")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT")
+    p.add_argument("--from-plan", metavar="PLAN.json", help="the layout `tools/plan.py --search --json PLAN.json` "
+                   "found best: its --set overrides come first, yours after them")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.from_plan:
+        try:
+            chosen = json.loads(Path(args.from_plan).read_text())
+            layout, gpus = list(chosen["set"]), int(chosen["gpus"])
+        except (OSError, ValueError, KeyError, TypeError):
+            print(f"error: --from-plan {args.from_plan} is not a plan from `tools/plan.py --search --json`.",
+                  file=sys.stderr)
+            return 2
+        if gpus != args.world:
+            print(f"error: --from-plan {args.from_plan} is a layout for {gpus} GPUs; give --world {gpus}.",
+                  file=sys.stderr)
+            return 2
+        args.overrides = layout + args.overrides
     from moe_trainer.parallel.dryrun.runner import DryRunError, RuleError, Simulator, choose_ranks, format_report
     try:
         sim = Simulator(args.config, args.overrides, args.world, args.gpus_per_node, args.micro_batches)
