@@ -160,7 +160,7 @@ def _run_time(args, argv) -> int:
         mech = pub.mechanisms
     else:
         cfg = load_config(args.config, args.set, read_init_from=True)
-        setup = setup_from_config(cfg, args.gpus, args.zero, args.gpus_per_node or cfg.parallel.gpus_per_node or None)
+        setup = setup_from_config(cfg, args.gpus, args.zero, args.gpus_per_node)
         mech = time_mod.Mechanisms()
     mech = time_mod.dataclasses.replace(mech, a2a_overlap=mech.a2a_overlap or args.overlap,
                                         gemm_dtype=args.gemm_dtype or mech.gemm_dtype)
@@ -185,7 +185,8 @@ def _run_search(args, argv) -> int:
     if not best:
         raise plan.PlanError(f"none of the {tried} legal layouts of {args.config} on {args.gpus} GPUs fits in "
                              f"--gpu-memory-gb {args.gpu_memory_gb:g}.")
-    own = time_mod.step_time(setup_from_config(cfg, args.gpus), gpu, eff, mech, value)
+    own = time_mod.step_time(setup_from_config(cfg, args.gpus, gpus_per_node=args.gpus_per_node), gpu, eff, mech,
+                             value)
     if args.json:
         b = best[0]
         _emit_json(args.json, {"config": args.config, "gpus": args.gpus, "set": args.set + b.overrides(),

@@ -18,7 +18,7 @@ from ..config import Config, ConfigError, validate, validate_layout
 from .gpus import Efficiency, Gpu
 from .memory import model_state_bytes, rank_params, stage_activation_bytes
 from .params import GB, precision_for
-from .pipeline import balanced_partition
+from .pipeline import stage_partition
 from .time import Mechanisms, StepTime, step_time
 from .work import setup_from_config
 
@@ -66,17 +66,12 @@ def _with(cfg: Config, tp, cp, pp, v, ep, mbs, recompute) -> Config:
     return c
 
 
-def _per_rank_partition(layers: int, pp: int, v: int) -> list[int]:
-    chunks = balanced_partition(layers, pp * v)
-    return [sum(chunks[c] for c in range(r, pp * v, pp)) for r in range(pp)]
-
-
-def peak_memory(cfg: Config, gpus: int, node: int, zero: int = 1) -> float:
-    """Bytes on the heaviest rank (model states under ZeRO + activations under the recompute)."""
+def peak_memory(cfg: Config, gpus: int, node: int, partition: list[int], zero: int = 1) -> float:
+    """Bytes on the heaviest rank (model states under ZeRO + activations under the recompute), the
+    layers per pipeline rank given (the trainer's split)."""
     layout = validate_layout(cfg, gpus, node)
     prec = precision_for(None, cfg.train.dtype, cfg.train.grad_accum_dtype)
     p = cfg.parallel
-    partition = _per_rank_partition(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)
     worst = 0.0
     for stage, params in enumerate(rank_params(cfg.model, p, partition)):
         states = model_state_bytes(params, prec, zero, layout.dp * layout.cp, layout.edp)
@@ -117,13 +112,16 @@ def search(cfg: Config, gpus: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms, 
     """(the `top` fastest fitting layouts, layouts tried, layouts that fit)."""
     node = cfg.parallel.gpus_per_node or gpu.gpus_per_node
     found, tried = [], 0
+    partitions: dict = {}  # (pp, v) -> the trainer's cost-balanced layers per rank (stage_partition)
     for c in candidates(cfg, gpus, node):
         tried += 1
-        peak = peak_memory(c, gpus, node)
+        key = (c.parallel.pp, c.parallel.virtual_stages)
+        if key not in partitions:
+            partitions[key] = stage_partition(c)
+        peak = peak_memory(c, gpus, node, partitions[key])
         if peak > gpu_memory_gb * GB:
             continue
-        s = setup_from_config(c, gpus, gpus_per_node=node, partition=tuple(
-            _per_rank_partition(c.model.num_hidden_layers, c.parallel.pp, c.parallel.virtual_stages)))
+        s = setup_from_config(c, gpus, gpus_per_node=node, partition=tuple(partitions[key]))
         r = step_time(s, gpu, eff, mech, imbalance)
         p = c.parallel
         found.append(Candidate(p.tp, p.cp, p.pp, p.virtual_stages, p.ep, s.dp, c.train.micro_batch_size, p.recompute,

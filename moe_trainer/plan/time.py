@@ -89,12 +89,12 @@ class StepTime:
     micro_batch_compute: float
 
 
-def _gemm_seconds(g: Gemm, gpu: Gpu, eff: Efficiency, mech: Mechanisms, imbalance_applied: bool = True) -> float:
+def _gemm_seconds(g: Gemm, gpu: Gpu, eff: Efficiency, mech: Mechanisms, act_bytes: int = 2) -> float:
     """One forward of `g`: FLOPs at the kind's rate, or operand bytes at HBM speed, the slower."""
     fp8 = mech.gemm_dtype == "fp8"
     peak = (gpu.fp8_tflops if fp8 else gpu.bf16_tflops) * 1e12
     rate = peak * (eff.fp8_gemm if fp8 else eff.gemm) * (eff.grouped if g.grouped else 1.0)
-    elem = 1 if fp8 else 2
+    elem = 1 if fp8 else act_bytes
     moved = (g.rows * g.inner + g.inner * g.cols + g.rows * g.cols) * elem * g.count
     return max(g.flops / rate, moved / (gpu.hbm_tbs * 1e12 * eff.memory))
 
@@ -118,7 +118,8 @@ def stage_compute(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, mech: Mechani
     for layer, n in kinds.values():
         w = block_work(s, layer, imbalance)
         for g in w.gemms:
-            out["expert_gemm" if g.grouped else "gemm"] += n * (fwd_passes + 2) * _gemm_seconds(g, gpu, eff, mech)
+            out["expert_gemm" if g.grouped else "gemm"] += n * (fwd_passes + 2) * _gemm_seconds(g, gpu, eff, mech,
+                                                                                           s.act_bytes)
         attn_fwd = w.attn_flops / (attn_peak * eff.attn_fwd)
         extra = attn_fwd if s.recompute in ("full", "selective") else 0.0
         out["attention"] += n * (attn_fwd + extra + w.attn_bwd_flops / (attn_peak * eff.attn_bwd))
@@ -127,18 +128,18 @@ def stage_compute(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, mech: Mechani
     if stage == s.pp - 1:  # the output heads stay in BF16 under FP8 GEMMs (DeepSeek-V3 report, 3.3.1)
         gemms, head_glue = head_work(s)
         head_mech = dataclasses.replace(mech, gemm_dtype="bf16")
-        out["gemm"] += sum(3 * _gemm_seconds(g, gpu, eff, head_mech) for g in gemms)
+        out["gemm"] += sum(3 * _gemm_seconds(g, gpu, eff, head_mech, s.act_bytes) for g in gemms)
         out["glue"] += glue * head_glue / hbm
     if mech.a2a_overlap and mech.comm_sm_share:
         out = {k: v / (1 - mech.comm_sm_share) for k, v in out.items()}
     return out
 
 
-def _ring_seconds(nbytes: float, group: int, stride: int, gpu: Gpu, eff: Efficiency) -> float:
+def _ring_seconds(nbytes: float, group: int, stride: int, node: int, gpu: Gpu, eff: Efficiency) -> float:
     """A ring collective: bytes sent per rank over the bus bandwidth of the links it crosses."""
     if group <= 1 or not nbytes:
         return 0.0
-    across = spans_nodes(group, stride, gpu.gpus_per_node)
+    across = spans_nodes(group, stride, node)
     return nbytes / ((gpu.net_gbs * eff.net if across else gpu.nvlink_gbs * eff.nvlink) * 1e9)
 
 
@@ -153,7 +154,8 @@ def comm_seconds(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, imbalance: flo
     a2a = rb.a2a_bytes * imbalance
     a2a_s = max(a2a * (1 - remote) / (gpu.nvlink_gbs * eff.a2a * 1e9),
                 a2a * remote / (gpu.net_gbs * eff.a2a * 1e9)) if a2a else 0.0
-    p2p_across = s.gpus > gpu.gpus_per_node
+    node = s.gpus_per_node
+    p2p_across = s.gpus > node
     p2p_s = rb.p2p_bytes / ((gpu.net_gbs * eff.net if p2p_across else gpu.nvlink_gbs * eff.nvlink) * 1e9)
     prec = Precision("time", s.param_bytes, s.grad_bytes, 12, s.act_bytes, "")
     dense_stride, expert_stride = dp_strides(s)
@@ -162,10 +164,10 @@ def comm_seconds(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, imbalance: flo
                       stage1_all_reduce=not reduce_scatter)
     expert = zero_comm(rb.expert_params, s.edp, s.zero, s.micro_batches, prec,
                        stage1_all_reduce=not reduce_scatter)
-    dp_s = _ring_seconds(dense.total, group, dense_stride, gpu, eff) + \
-        _ring_seconds(expert.total, s.edp, expert_stride, gpu, eff)
-    return {"tensor": _ring_seconds(rb.tp_bytes, s.tp, 1, gpu, eff),
-            "context": _ring_seconds(rb.cp_bytes, s.cp, s.tp, gpu, eff),
+    dp_s = _ring_seconds(dense.total, group, dense_stride, node, gpu, eff) + \
+        _ring_seconds(expert.total, s.edp, expert_stride, node, gpu, eff)
+    return {"tensor": _ring_seconds(rb.tp_bytes, s.tp, 1, node, gpu, eff),
+            "context": _ring_seconds(rb.cp_bytes, s.cp, s.tp, node, gpu, eff),
             "all_to_all": a2a_s, "pipeline": p2p_s if s.pp > 1 else 0.0, "data_parallel": dp_s,
             "shard_params": (rb.dense_params / group + rb.expert_params / s.edp)}
 

@@ -72,7 +72,7 @@ def setup_from_config(cfg: Config, gpus: int, zero: int = 1, gpus_per_node: Opti
     layers per pipeline rank, else the trainer's own split (stage_partition)."""
     from .layout import layout_on
     p, t, m = cfg.parallel, cfg.train, cfg.model
-    layout = layout_on(cfg, gpus, gpus_per_node)
+    layout = layout_on(cfg, gpus, gpus_per_node or cfg.parallel.gpus_per_node or 8)  # the planner's default node
     dtype_bytes = 4 if t.dtype == "fp32" else 2
     return Setup(name=name or m.arch, attn=m, ffn=m, gpus=gpus, tp=p.tp, cp=p.cp, pp=p.pp,
                  virtual_stages=p.virtual_stages, ep=p.ep, dp=layout.dp, micro_batches=layout.grad_accum,
