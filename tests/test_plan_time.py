@@ -88,8 +88,8 @@ def test_bubble_and_overlap_follow_their_formulas():
 
 def test_the_published_runs():
     """Llama 3 405B and Mixtral 8x22B land within +-20% of their published figures. DeepSeek-V3 and
-    Qwen3-235B-A22B do not: the model predicts them 1.3x and 1.6x faster than published (docs/PLANS.md
-    names what it leaves out); held here so that a change to either shows."""
+    Qwen3-235B-A22B do not: the model predicts them 1.3x and 2.3x faster than published (docs/PLANS.md
+    names what it leaves out); held where they land, so that a change to either shows."""
     got = {}
     for pub, setup in published.calibration_setups(ROOT):
         r = step_time(setup, gpu_named(pub.gpu), Efficiency(), pub.mechanisms, 1.0 if pub.balance == "forced" else None)
@@ -98,7 +98,7 @@ def test_the_published_runs():
     assert 0.8 <= got["Llama 3 405B, 8K"] <= 1.2
     assert 0.8 <= got["Mixtral 8x22B"] <= 1.2
     assert 1.2 < got["DeepSeek-V3 671B"] < 1.45
-    assert 1.45 < got["Qwen3-235B-A22B"] < 1.7
+    assert 2.2 < got["Qwen3-235B-A22B"] < 2.5
 
 
 @pytest.mark.parametrize("name,gpus,gpu", [("deepseek_v3_671b.yaml", 2048, "h800"), ("llama3_405b.yaml", 16384, "h100")])
@@ -141,3 +141,16 @@ def test_cli_time_search_and_bad_input(tmp_path):
     assert out.stdout.count("\n| ") >= 11 and "The config's own layout" in out.stdout
     best = json.loads(plan.read_text())
     assert best["gpus"] == 2048 and any(s.startswith("parallel.ep=") for s in best["set"])
+    dry = subprocess.run([sys.executable, str(ROOT / "tools" / "dry_run.py"), "--config",
+                          "configs/deepseek_v3_671b.yaml", "--world", "1024", "--gpus-per-node", "8", "--from-plan",
+                          str(plan)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert dry.returncode == 2 and "give --world 2048" in dry.stderr and dry.stderr.count("\n") == 1
+
+
+def test_node_dedup_sends_a_token_once_per_node():
+    """DeepSeek-V3's dispatch: with 4 of 8 node groups per token, at most 4 nodes, fewer network bytes
+    than one copy per remote rank."""
+    from moe_trainer.plan.work import node_dedup_bytes
+    s = setup_from_config(_cfg("deepseek_v3_671b.yaml"), 2048)
+    per_token = node_dedup_bytes(s, 2) / s.tokens / (2 * s.ffn.hidden_size * 2)
+    assert 3.0 < per_token <= 4.0  # expected other nodes among the 4 a token's groups sit on

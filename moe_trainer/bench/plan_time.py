@@ -31,7 +31,7 @@ from ..plan.work import setup_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/moe_tiny.yaml"
-WARMUP = 5
+WARMUP = 3  # steps left out of the median (start-up, allocator warm-up)
 
 
 def copy_bandwidth(nbytes: int = 256 << 20, trials: int = 5) -> float:

@@ -137,10 +137,11 @@ CALIBRATION = (
         source="arXiv:2412.19437 sec. 1 and 3: 180K H800 GPU hours per trillion tokens; 2,048 H800, PP 16, "
                "EP 64 over 8 nodes, ZeRO-1 DP, DualPipe, FP8 GEMMs, 20 of 132 SMs for communication",
         mechanisms=Mechanisms(a2a_overlap=True, dp_overlap=True, p2p_overlap=True, schedule="dualpipe",
-                              comm_sm_share=20 / 132, fused_glue=True, gemm_dtype="fp8"),
+                              comm_sm_share=20 / 132, fused_glue=True, gemm_dtype="fp8", node_dedup=True,
+                              fp8_dispatch=True),
         config="configs/deepseek_v3_671b.yaml", overrides=("parallel.recompute=none",),
         assumptions="DualPipe: all-to-all and pipeline sends hidden behind the paired micro-batch's compute, "
-                    "bubble (p/2 - 1)(F&B + B - 3W) with W = B/2, compute slowed by the 20 SMs given to "
+                    "dispatch over IB once per target node (at most 4) in FP8, combine in BF16, bubble (p/2 - 1)(F&B + B - 3W) with W = B/2, compute slowed by the 20 SMs given to "
                     "communication; FP8 GEMMs, BF16 attention; recomputation of RMSNorm and the MLA "
                     "up-projections only (counted as none); load imbalance of uniform routing (the bias "
                     "balances the expected load); 120 micro-batches per step (15,360 sequences of 4K)"),

@@ -27,7 +27,8 @@ from typing import Optional
 
 from .gpus import Efficiency, Gpu
 from .params import PlanError, is_moe_layer
-from .work import (Gemm, Setup, block_work, dp_strides, ep_remote_share, head_work, rank_bytes, spans_nodes,
+from .work import (Gemm, Setup, block_work, dp_strides, ep_remote_share, head_work, node_dedup_bytes, rank_bytes,
+                   spans_nodes,
                    stage_blocks, uniform_imbalance)
 
 SCHEDULES = ("1f1b", "dualpipe")
@@ -49,10 +50,12 @@ class Mechanisms:
     comm_sm_share: float = 0.0  # share of the SMs communication kernels hold while overlapping
     fused_glue: bool = False  # a fused framework's glue (Megatron-TE, DeepSeek's kernels)
     gemm_dtype: str = "bf16"  # bf16 | fp8 (attention stays bf16)
+    node_dedup: bool = False  # a token crosses to each other node once, then NVLink (DeepSeek's dispatch)
+    fp8_dispatch: bool = False  # the dispatch carries FP8 activations (1 byte), the combine BF16
 
     def describe(self) -> str:
         on = [n for n in ("a2a_overlap", "tp_overlap", "dp_overlap", "p2p_overlap", "dp_reduce_scatter",
-                          "fused_glue") if getattr(self, n)]
+                          "fused_glue", "node_dedup", "fp8_dispatch") if getattr(self, n)]
         extra = f", {self.comm_sm_share:.0%} of SMs to communication" if self.comm_sm_share else ""
         return f"schedule {self.schedule}, GEMMs {self.gemm_dtype}, {', '.join(on) or 'nothing overlapped'}{extra}"
 
@@ -144,16 +147,21 @@ def _ring_seconds(nbytes: float, group: int, stride: int, node: int, gpu: Gpu, e
 
 
 def comm_seconds(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, imbalance: float,
-                 reduce_scatter: bool = False) -> dict[str, float]:
+                 mech: Mechanisms = TRAINER_TODAY) -> dict[str, float]:
     """Per micro-batch (tp, cp, a2a, p2p) and per step (dp) seconds of one rank of `stage`;
-    `reduce_scatter`: ZeRO-1 reduce-scatters gradients (Megatron) instead of all-reducing (DeepSpeed)."""
+    `mech`: ZeRO-1 reduce-scatters (Megatron) or all-reduces (DeepSpeed) gradients; the all-to-all's
+    node dedup and FP8 dispatch."""
     from .comm import zero_comm
     from .params import Precision
     rb = rank_bytes(s, stage)
     remote = ep_remote_share(s)
-    a2a = rb.a2a_bytes * imbalance
-    a2a_s = max(a2a * (1 - remote) / (gpu.nvlink_gbs * eff.a2a * 1e9),
-                a2a * remote / (gpu.net_gbs * eff.a2a * 1e9)) if a2a else 0.0
+    # the dispatch half of the bytes in FP8 when the mechanism says so
+    a2a = rb.a2a_bytes * imbalance * ((1 + 0.5) / 2 if mech.fp8_dispatch and s.act_bytes == 2 else 1.0)
+    nvlink, net = a2a * (1 - remote), a2a * remote
+    if mech.node_dedup and a2a:  # every copy still moves over NVLink once; the network carries one per node
+        nvlink = a2a
+        net = rb.a2a_layers * imbalance * node_dedup_bytes(s, 1 if mech.fp8_dispatch else s.act_bytes)
+    a2a_s = max(nvlink / (gpu.nvlink_gbs * eff.a2a * 1e9), net / (gpu.net_gbs * eff.a2a * 1e9)) if a2a else 0.0
     node = s.gpus_per_node
     p2p_across = s.gpus > node
     p2p_s = rb.p2p_bytes / ((gpu.net_gbs * eff.net if p2p_across else gpu.nvlink_gbs * eff.nvlink) * 1e9)
@@ -161,9 +169,9 @@ def comm_seconds(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, imbalance: flo
     dense_stride, expert_stride = dp_strides(s)
     group = s.dp * s.cp
     dense = zero_comm(rb.dense_params, group, s.zero, s.micro_batches, prec,
-                      stage1_all_reduce=not reduce_scatter)
+                      stage1_all_reduce=not mech.dp_reduce_scatter)
     expert = zero_comm(rb.expert_params, s.edp, s.zero, s.micro_batches, prec,
-                       stage1_all_reduce=not reduce_scatter)
+                       stage1_all_reduce=not mech.dp_reduce_scatter)
     dp_s = _ring_seconds(dense.total, group, dense_stride, node, gpu, eff) + \
         _ring_seconds(expert.total, s.edp, expert_stride, node, gpu, eff)
     return {"tensor": _ring_seconds(rb.tp_bytes, s.tp, 1, node, gpu, eff),
@@ -186,6 +194,18 @@ def model_flops_per_token(s: Setup) -> float:
     return 3 * total / one.tokens
 
 
+def _per_micro_batch(kinds: dict, comm: dict, mech: Mechanisms) -> tuple[float, float, dict]:
+    """(seconds per micro-batch, compute, exposed communication by kind) of one stage."""
+    c = sum(kinds.values())
+    exposed = {
+        "tensor": max(0.0, comm["tensor"] - kinds["gemm"]) if mech.tp_overlap else comm["tensor"],
+        "context": max(0.0, comm["context"] - kinds["attention"]) if mech.tp_overlap else comm["context"],
+        "all_to_all": max(0.0, comm["all_to_all"] - c) if mech.a2a_overlap else comm["all_to_all"],
+        "pipeline": 0.0 if mech.p2p_overlap else comm["pipeline"],
+    }
+    return c + sum(exposed.values()), c, exposed
+
+
 def step_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms = TRAINER_TODAY,
               imbalance: Optional[float] = None) -> StepTime:
     """The step of `s` on `gpu`; `imbalance`: the busiest EP rank's load over the mean (None: uniform
@@ -198,17 +218,11 @@ def step_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms = TRAINER_TO
     if f < 1:
         raise PlanError(f"the load imbalance (busiest EP rank over the mean) must be at least 1, got {f:g}.")
     per_stage = [(stage_compute(s, st, gpu, eff, mech, f),
-                  comm_seconds(s, st, gpu, eff, f, mech.dp_reduce_scatter)) for st in range(s.pp)]
-    stage = max(range(s.pp), key=lambda st: sum(per_stage[st][0].values()))
+                  comm_seconds(s, st, gpu, eff, f, mech)) for st in range(s.pp)]
+    # the pipeline runs at its slowest stage's pace: compute plus what it cannot hide, per micro-batch
+    stage = max(range(s.pp), key=lambda st: _per_micro_batch(*per_stage[st], mech)[0])
     kinds, comm = per_stage[stage]
-    c = sum(kinds.values())
-    exposed = {
-        "tensor": max(0.0, comm["tensor"] - kinds["gemm"]) if mech.tp_overlap else comm["tensor"],
-        "context": max(0.0, comm["context"] - kinds["attention"]) if mech.tp_overlap else comm["context"],
-        "all_to_all": max(0.0, comm["all_to_all"] - c) if mech.a2a_overlap else comm["all_to_all"],
-        "pipeline": 0.0 if mech.p2p_overlap else comm["pipeline"],
-    }
-    per_mb = c + sum(exposed.values())
+    per_mb, c, exposed = _per_micro_batch(kinds, comm, mech)
     m, p, v = s.micro_batches, s.pp, s.virtual_stages
     if mech.schedule == "dualpipe":
         fwd = c / 3

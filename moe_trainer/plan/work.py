@@ -200,6 +200,7 @@ class RankBytes:
     tp_bytes: float  # per micro-batch, forward + backward (+ recompute)
     cp_bytes: float
     a2a_bytes: float  # sent = received, per micro-batch, all MoE blocks, all passes
+    a2a_layers: float  # MoE blocks x passes (forward, backward, recompute) behind a2a_bytes
     p2p_bytes: float  # pipeline sends per micro-batch (activations forward, gradients backward)
 
 
@@ -230,16 +231,16 @@ def rank_bytes(s: Setup, stage: int) -> RankBytes:
                                     s.sequence_parallel)
     cp = context_parallel_bytes(len(blocks), 1, s.cp, t * _kv_bytes_per_token(s.attn, s.tp, b), s.recompute)
     moe = sum(is_moe_layer(m, i) for i in blocks)
-    a2a = 0.0
+    a2a, layers = 0.0, moe * _passes(s.recompute)
     if moe and s.ep > 1:
         dispatched = t / s.tp  # each TP rank dispatches its sequence shard
         one = alltoall_bytes_expected(dispatched, m.num_experts_per_tok, m.hidden_size, s.ep, b, m.n_routed_experts,
                                       s.dedup_dispatch, m.n_group, m.topk_group)
-        a2a = moe * _passes(s.recompute) * one.sent
+        a2a = layers * one.sent
     width = m.hidden_size * (2 if mtp_layers(m) else 1)
     sends = (stage < s.pp - 1) + (stage > 0)
     p2p = sends * t * width * b / (s.tp if s.sequence_parallel else 1) * s.virtual_stages
-    return RankBytes(dense, expert, tp, cp, a2a, p2p)
+    return RankBytes(dense, expert, tp, cp, a2a, layers, p2p)
 
 
 def ep_remote_share(s: Setup) -> float:
@@ -250,6 +251,24 @@ def ep_remote_share(s: Setup) -> float:
     stride = 1 if s.tp > 1 and s.ep > 1 else s.tp
     local = max(1, min(s.ep, s.gpus_per_node // stride))
     return (s.ep - local) / (s.ep - 1)
+
+
+def node_dedup_bytes(s: Setup, dispatch_bytes: float) -> float:
+    """Network bytes one rank sends per MoE layer and pass when a token crosses to each other node
+    once (DeepSeek-V3's dispatch: over InfiniBand to the same-index GPU of each target node, then
+    NVLink inside it; its combine comes back the same way): the expected other nodes a token's experts
+    sit on, under the group-limited routing (a node holds whole expert groups when they align), times
+    its hidden state in the dispatch's and the combine's precision."""
+    from .comm import expected_remote_ranks
+    stride = 1 if s.tp > 1 and s.ep > 1 else s.tp
+    nodes = max(1, s.ep * stride // s.gpus_per_node)
+    if nodes == 1:
+        return 0.0
+    m = s.ffn
+    groups_ok = m.n_group % nodes == 0
+    remote = expected_remote_ranks(m.n_routed_experts, m.num_experts_per_tok, nodes,
+                                   m.n_group if groups_ok else 1, m.topk_group if groups_ok else 1)
+    return s.tokens / s.tp * remote * m.hidden_size * (dispatch_bytes + s.act_bytes)
 
 
 def spans_nodes(group: int, stride: int, node: int) -> bool:
@@ -290,4 +309,5 @@ def with_layout(s: Setup, **changes) -> Setup:
 
 __all__ = ["Setup", "setup_from_config", "Gemm", "BlockWork", "block_work", "head_work", "stage_blocks",
            "attention_core_flops", "rank_params", "rank_bytes", "RankBytes", "ep_remote_share", "spans_nodes",
+           "node_dedup_bytes",
            "dp_strides", "uniform_imbalance", "with_layout", "FP32", "TokenActs"]
