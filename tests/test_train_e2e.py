@@ -38,6 +38,9 @@ def test_run_directory_contents(run):
             split = [r[f"time.{k}_s"] for k in ("data", "forward", "backward", "optimizer", "all_to_all")]
             assert all(v >= 0 for v in split) and r["time.forward_s"] > 0
             assert sum(split[:4]) <= r["step_time_s"] * 1.01
+            # the split tools/plan.py --time predicts: compute and the exposed all-to-all make up forward + backward
+            assert r["time.compute_s"] + r["time.exposed_all_to_all_s"] == pytest.approx(
+                r["time.forward_s"] + r["time.backward_s"], rel=1e-6)
     vals = [r["val_loss"] for r in recs if "val_loss" in r]
     assert len(vals) == 2 and all(0 < v < 7 for v in vals)
     # checkpoints: only the newest kept, pointed at by latest, weights under global names

@@ -38,6 +38,8 @@ subcommand:
   zero --params P --dp N [--k 12]   the ZeRO paper's table (Rajbhandari et al. 2019): memory
                                     per rank for stages 0-3 and traffic per step
                                     (see `tools/plan.py zero --help`)
+  calibrate                         the step-time model against the four published runs
+                                    (Llama 3 405B, DeepSeek-V3, Qwen3-235B-A22B, Mixtral 8x22B)
 
 what the plan reports (markdown, or JSON with --json):
   parameters by part, total and activated per token; model states per rank for ZeRO 0-3 under

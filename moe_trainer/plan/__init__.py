@@ -5,7 +5,9 @@ Pure functions over a `Config` or plain numbers, no torch and no process groups
 shapes, counts, precision recipes), `pipeline` (stages, in-flight count, bubble),
 `memory` (model states under ZeRO, activations, the ZeRO paper's table), `comm`
 (bytes per collective), `layout` (`make_plan`: all of it for one config on N
-GPUs) and `report` (markdown). Everything public is importable from here.
+GPUs) and `report` (markdown). Everything public is importable from here. The step-time model and
+the layout search (`tools/plan.py --time`, `--search`) are `work` (what a rank computes and sends),
+`time`, `gpus`, `published`, `search` and `time_report`, imported by module.
 
 What it answers before GPU time is bought:
 

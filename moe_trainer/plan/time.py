@@ -83,7 +83,7 @@ class StepTime:
     step: float
     tokens_per_s_per_gpu: float
     model_tflops_per_gpu: float
-    mfu: float  # model TFLOP/s over the peak of the GEMM dtype's... BF16 peak (as the published MFUs)
+    mfu: float  # model TFLOP/s over the BF16 dense peak (as the published MFUs are)
     imbalance: float
     stage: int  # the busiest stage
     split: dict  # per kind: seconds per step, exposed

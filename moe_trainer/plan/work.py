@@ -124,7 +124,7 @@ def attention_core_flops(m: ModelConfig, s: Setup) -> tuple[float, float]:
     the backward recomputes the scores (flash attention): (3 d_qk + 2 d_v) / (d_qk + d_v) x forward."""
     dqk, dv = _attn_dims(m)
     heads = m.num_attention_heads / s.tp
-    fwd = 2.0 * s.micro_batch_size * heads * s.tokens / s.micro_batch_size * s.seq_len * 0.5 * (dqk + dv)
+    fwd = 2.0 * heads * s.tokens * (0.5 * s.seq_len) * (dqk + dv)  # tokens = mbs x seq / cp queries
     return fwd, fwd * (3 * dqk + 2 * dv) / (dqk + dv)
 
 
