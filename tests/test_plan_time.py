@@ -13,7 +13,7 @@ import torch
 
 from moe_trainer import metrics
 from moe_trainer.bench import kernel_proxy
-from moe_trainer.config import load_config
+from moe_trainer.resolve import load_config
 from moe_trainer.plan import published
 from moe_trainer.plan.gpus import Efficiency, gpu_named
 from moe_trainer.plan.memory import layer_acts

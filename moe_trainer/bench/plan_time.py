@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import load_config
+from ..resolve import load_config
 from ..metrics import measure_matmul_tflops
 from ..plan.gpus import Efficiency, Gpu
 from ..plan.time import Mechanisms, step_time

@@ -151,7 +151,7 @@ CALIBRATION = (
 def calibration_setups(root: Path) -> list[tuple[Published, Setup]]:
     """The four runs and their setups: the two trainer configs above with their overrides, and the
     two published-run files."""
-    from ..config import load_config
+    from ..resolve import load_config
     from .work import setup_from_config
     out = []
     for pub in CALIBRATION:
