@@ -179,6 +179,9 @@ def _run_time(args, argv) -> int:
 
 
 def _run_search(args, argv) -> int:
+    if published.is_published_file(args.config):
+        raise plan.PlanError(f"--search takes a trainer config; {args.config} is a published-run file (an "
+                             f"architecture the trainer does not build), which --time estimates.")
     cfg = load_config(args.config, args.set, read_init_from=True)
     gpu, eff = _gpu_eff(args)
     mech = time_mod.Mechanisms(a2a_overlap=args.overlap, gemm_dtype=args.gemm_dtype or "bf16")
