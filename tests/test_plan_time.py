@@ -154,3 +154,12 @@ def test_node_dedup_sends_a_token_once_per_node():
     s = setup_from_config(_cfg("deepseek_v3_671b.yaml"), 2048)
     per_token = node_dedup_bytes(s, 2) / s.tokens / (2 * s.ffn.hidden_size * 2)
     assert 3.0 < per_token <= 4.0  # expected other nodes among the 4 a token's groups sit on
+
+
+def test_cpu_prediction_sees_this_machine():
+    """bench.plan_time's prediction: one rank sends nothing, two ranks all-reduce their gradients, and
+    the matmul rate and copy bandwidth are this machine's (measured, positive)."""
+    from moe_trainer.bench.plan_time import predict
+    one, two = predict(1, 1), predict(2, 1)
+    assert one["matmul_tflops"] > 0 and one["copy_gbs"] > 0
+    assert one["exposed_comm_s"] == 0 and two["exposed_comm_s"] > 0
