@@ -206,9 +206,13 @@ def _run_search(args, argv) -> int:
         print("\n".join(plan.report._table(["#", "layout", "tokens/s per GPU", "TFLOP/s per GPU", "step",
                                               "compute / exposed comm / bubble", "peak GB", "why it beats the next"],
                                              rows)))
+        node = args.gpus_per_node or cfg.parallel.gpus_per_node or gpu.gpus_per_node
+        peak = search_mod.peak_memory(cfg, args.gpus, node, plan.stage_partition(cfg)) / plan.GB
+        fits = "fits" if peak <= args.gpu_memory_gb else "does NOT fit"
         print(f"\nThe config's own layout: {own.tokens_per_s_per_gpu:,.0f} tokens/s per GPU (step {own.step:.2f} s: "
-              f"compute {own.compute:.2f}, exposed comm {own.exposed_comm:.2f}, bubble {own.bubble:.2f}); the best "
-              f"is {best[0].time.tokens_per_s_per_gpu / own.tokens_per_s_per_gpu:.2f}x it.")
+              f"compute {own.compute:.2f}, exposed comm {own.exposed_comm:.2f}, bubble {own.bubble:.2f}; heaviest "
+              f"rank {peak:.1f} GB: it {fits} in {args.gpu_memory_gb:g} GB); the best is "
+              f"{best[0].time.tokens_per_s_per_gpu / own.tokens_per_s_per_gpu:.2f}x it.")
     return 0
 
 

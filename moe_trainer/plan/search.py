@@ -147,4 +147,4 @@ def _reason(a: Candidate, b: Optional[Candidate]) -> str:
     label, gain = max(gains.items(), key=lambda kv: kv[1])
     if gain <= 0:
         return "ties with the next"
-    return f"{label} {gain / per(tb, 'step'):.1%} of the next one's step shorter"
+    return f"its {label} is shorter by {gain / per(tb, 'step'):.1%} of the next one's step"

@@ -6,8 +6,8 @@ The model, per optimizer step, on the busiest pipeline stage (the one with the m
   kind and dtype, or its operand bytes at the HBM rate, whichever is slower; backward = 2 GEMMs of
   the forward's size each), the causal flash-attention core at its forward / backward efficiency,
   and the memory-bound glue (its bytes at the HBM rate); recomputation adds a forward (full) or the
-  attention core's forward (selective). Routed experts' GEMMs scale with the load imbalance (the
-  busiest EP rank's share over the mean).
+  norms' and SwiGLU activations' forward glue (selective, parallel/recompute.py's). Routed experts'
+  GEMMs scale with the load imbalance (the busiest EP rank's share over the mean).
 - communication per micro-batch: the planner's bytes (comm.py) over NCCL's achievable bus bandwidth:
   TP and CP rings inside a node at NVLink speed (across nodes: the network's), the expert
   all-to-all's NVLink and network parts at once (both scaled by the imbalance), pipeline sends over
@@ -124,10 +124,12 @@ def stage_compute(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, mech: Mechani
             out["expert_gemm" if g.grouped else "gemm"] += n * (fwd_passes + 2) * _gemm_seconds(g, gpu, eff, mech,
                                                                                            s.act_bytes)
         attn_fwd = w.attn_flops / (attn_peak * eff.attn_fwd)
-        extra = attn_fwd if s.recompute in ("full", "selective") else 0.0
+        extra = attn_fwd if s.recompute == "full" else 0.0
         out["attention"] += n * (attn_fwd + extra + w.attn_bwd_flops / (attn_peak * eff.attn_bwd))
-        # the glue's measured ratio covers forward + backward: a third of it is the forward's
-        out["glue"] += n * glue * w.glue_bytes / hbm * (1 + (fwd_passes - 1) / 3)
+        # the glue's measured ratio covers forward + backward: a third of it is the forward's; selective
+        # recomputation re-runs the norms' and SwiGLU activations' forward
+        again = w.selective_bytes / 3 if s.recompute == "selective" else 0.0
+        out["glue"] += n * glue / hbm * (w.glue_bytes * (1 + (fwd_passes - 1) / 3) + again)
     if stage == s.pp - 1:  # the output heads stay in BF16 under FP8 GEMMs (DeepSeek-V3 report, 3.3.1)
         gemms, head_glue = head_work(s)
         head_mech = dataclasses.replace(mech, gemm_dtype="bf16")

@@ -109,6 +109,7 @@ class BlockWork:
     attn_bwd_flops: float
     glue_bytes: float  # stored activation bytes (the glue's traffic is a multiple of them)
     moe: bool
+    selective_bytes: float = 0.0  # what selective recomputation rebuilds: the norms' and SwiGLU's activations
 
 
 def _attn_dims(m: ModelConfig) -> tuple[int, int]:
@@ -146,8 +147,12 @@ def block_work(s: Setup, layer: int, imbalance: float = 1.0) -> BlockWork:
     if moe:
         gemms += _expert_gemms(s, imbalance)
     fwd, bwd = attention_core_flops(s.attn, s)
-    acts = _attention_acts(s.attn, s.tp, s.act_bytes) + _ffn_acts(s.ffn, layer, s.tp, s.act_bytes)
-    return BlockWork(tuple(gemms), fwd, bwd, acts.per_rank(s.tp, s.sequence_parallel) * t, moe)
+    attn_acts, ffn_acts = _attention_acts(s.attn, s.tp, s.act_bytes), _ffn_acts(s.ffn, layer, s.tp, s.act_bytes)
+    acts = attn_acts + ffn_acts
+    # parallel/recompute.py's selective mode re-runs every RMSNorm and SwiGLU's activation
+    norms = (attn_acts.norm_region + ffn_acts.norm_region) / (s.tp if s.sequence_parallel else 1)
+    return BlockWork(tuple(gemms), fwd, bwd, acts.per_rank(s.tp, s.sequence_parallel) * t, moe,
+                     (norms + ffn_acts.tp_split) * t)
 
 
 def _expert_gemms(s: Setup, imbalance: float) -> list[Gemm]:
