@@ -43,6 +43,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
 
 
 def config_from_dict(data: dict) -> Config:
+    """A config tree from nested dicts (a run directory's config.yaml, a resume's merge), resolved
+    and validated as load_config's is."""
     cfg = typed_config(data)
     resolve_auto(cfg)
     check(cfg)

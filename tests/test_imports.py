@@ -127,6 +127,15 @@ def test_no_import_cycle():
     assert not found, "import cycles among moe_trainer's modules:\n" + "\n".join(describe(c, graph) for c in found)
 
 
+def test_config_and_rope_are_the_ground_floor():
+    """config.py parses, types and validates from its YAML alone (resolve.py, above it, reads what a
+    config names), and RoPE's maths sits below both the models and the kernels: neither imports any
+    module of the package, lazily or not."""
+    graph = import_graph()
+    assert graph[f"{PACKAGE}.config"] == {}
+    assert graph[f"{PACKAGE}.rope"] == {}
+
+
 def test_checker_sees_lazy_relative_and_package_imports(tmp_path):
     """The checker itself: a ring closed only by a lazy `from .. import x` inside a function, and
     one closed through a package's __init__, are found; a line is not."""
