@@ -75,6 +75,10 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="NVLink bandwidth per GPU and direction in Gb/s (default %(default)g: H100, 450 GB/s)")
     p.add_argument("--ib-gbps", type=float, default=plan.IB_GBPS,
                    help="network bandwidth per GPU and direction in Gb/s (default %(default)g: one NDR NIC per GPU)")
+    p.add_argument("--sp-regather", action="store_true",
+                   help="plan Megatron's sequence parallelism (Meta's Llama 3 training): a tensor-parallel region "
+                        "keeps its input's 1/tp shard and all-gathers it again in the backward; default: what this "
+                        "trainer does, keep the all-gathered input")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of markdown")
     return p
 
@@ -101,7 +105,7 @@ def _run_plan(argv: list[str]) -> int:
     cfg = load_config(args.config, args.set, read_init_from=True)  # a Hugging Face train.init_from: plan its model
     node = args.gpus_per_node or cfg.parallel.gpus_per_node or 8
     result = plan.make_plan(cfg, args.gpus, args.gpu_memory_gb, args.zero, args.precision, node,
-                            plan.Links(args.nvlink_gbps, args.ib_gbps))
+                            plan.Links(args.nvlink_gbps, args.ib_gbps), sp_regather=args.sp_regather)
     if args.json:
         print(json.dumps(plan.plan_to_dict(result), indent=1))
     else:

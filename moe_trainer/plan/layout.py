@@ -85,6 +85,7 @@ class Plan:
     peak_bytes: float
     fits: bool
     virtual_stages: int = 1  # chunks per pipeline rank (interleaved 1F1B when > 1)
+    sp_regather: bool = False  # planned with Megatron's sharded sequence-parallel inputs (not this trainer's)
     gpus_per_node: int = 8
     links: Links = Links()
     rank_order: str = ""
@@ -105,6 +106,7 @@ class _Setting:
     dense_group: int  # dp * cp
     edp: int
     alltoall: AllToAllBytes  # one MoE layer, one micro-batch, forward
+    sp_regather: bool = False  # sequence-parallel region inputs kept as shards (memory.gathered_input_bytes)
 
 
 def _stage_comm(cfg: Config, st: _Setting, stage: int, blocks: list[int], params: RankParams) -> StageComm:
@@ -128,7 +130,7 @@ def _stage_comm(cfg: Config, st: _Setting, stage: int, blocks: list[int], params
 def _stage_plan(cfg: Config, st: _Setting, partition: list[int], stage: int, params: RankParams) -> StagePlan:
     """Memory and traffic of one rank of `stage`."""
     states = model_state_bytes(params, st.precision, st.zero, st.dense_group, st.edp)
-    acts = stage_activation_bytes(cfg, partition, stage, st.micro_batches, st.precision)
+    acts = stage_activation_bytes(cfg, partition, stage, st.micro_batches, st.precision, st.sp_regather)
     act = acts.full_recompute if cfg.parallel.recompute == "full" else acts.no_recompute
     blocks = _stage_blocks(cfg.model, partition, stage)
     comm = _stage_comm(cfg, st, stage, blocks, params)
@@ -157,7 +159,8 @@ def layout_on(cfg: Config, gpus: int, gpus_per_node: Optional[int] = None) -> La
 
 
 def make_plan(cfg: Config, gpus: int, gpu_memory_gb: float = 80.0, zero: int = 1,
-              precision: Optional[str] = None, gpus_per_node: int = 8, links: Links = Links()) -> Plan:
+              precision: Optional[str] = None, gpus_per_node: int = 8, links: Links = Links(),
+              sp_regather: bool = False) -> Plan:
     """Plan a validated config on `gpus` GPUs (dp = gpus / (pp * tp * cp)) with ZeRO stage `zero` and a
     precision recipe of `PRECISIONS` (default from train.dtype). Raises ConfigError for a layout that
     does not divide and PlanError for other bad numbers."""
@@ -179,7 +182,7 @@ def make_plan(cfg: Config, gpus: int, gpu_memory_gb: float = 80.0, zero: int = 1
     alltoall = alltoall_bytes_expected(_tokens_per_rank(cfg), m.num_experts_per_tok, m.hidden_size, p.ep,
                                        prec.act_bytes, m.n_routed_experts, p.dedup_dispatch, m.n_group,
                                        m.topk_group)
-    st = _Setting(prec, zero, layout.grad_accum, layout.dp * layout.cp, layout.edp, alltoall)
+    st = _Setting(prec, zero, layout.grad_accum, layout.dp * layout.cp, layout.edp, alltoall, sp_regather)
     per_rank = rank_params(m, p, partition)
     groups = group_ranks(layout)
     stages = [_with_nodes(_stage_plan(cfg, st, partition, s, per_rank[s]), layout, links, groups) for s in range(p.pp)]
@@ -196,7 +199,7 @@ def make_plan(cfg: Config, gpus: int, gpu_memory_gb: float = 80.0, zero: int = 1
         partition=partition, stages=stages, state_table=table, heaviest_stage=heaviest, alltoall_per_layer=alltoall,
         bubble=bubble_fraction(p.pp, layout.grad_accum, p.virtual_stages), peak_stage=peak.stage,
         peak_bytes=peak.total, fits=peak.total <= gpu_memory_gb * GB, virtual_stages=p.virtual_stages,
-        gpus_per_node=layout.node_size, links=links, rank_order=layout.order)
+        gpus_per_node=layout.node_size, links=links, rank_order=layout.order, sp_regather=sp_regather)
 
 
 def _with_nodes(stage: StagePlan, layout: Layout, links: Links, groups: dict) -> StagePlan:

@@ -191,8 +191,17 @@ def _loss_acts(m: ModelConfig, tp: int, b: int) -> TokenActs:
     return TokenActs(head.norm_region * (1 + n) + 4 * m.hidden_size * b * n, head.tp_split * (1 + n))
 
 
+def gathered_input_bytes(m: ModelConfig, tp: int, sp: bool, sp_regather: bool, b: int) -> float:
+    """Bytes per token a tensor-parallel region's input costs beyond its 1/tp shard under sequence
+    parallelism: this trainer's region all-gathers the normed sequence and its first projections
+    keep the gathered (T, h) input for their weight gradients, where the planner's norm region
+    holds h / tp. Megatron (and Meta's Llama 3 training) keeps only the shard and all-gathers it
+    again in the backward (Korthikanti et al. 2022, section 4.2.2): `sp_regather` plans that."""
+    return 0.0 if not sp or sp_regather else m.hidden_size * b * (1 - 1 / tp)
+
+
 def stage_activation_bytes(cfg: Config, partition: Sequence[int], stage: int, micro_batches: int,
-                           prec: Precision) -> StageActivations:
+                           prec: Precision, sp_regather: bool = False) -> StageActivations:
     """Activation memory of one stage.
 
     Tokens per rank and micro-batch: micro_batch_size * seq_len / cp. Full recomputation keeps each
@@ -205,8 +214,10 @@ def stage_activation_bytes(cfg: Config, partition: Sequence[int], stage: int, mi
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len / p.cp
     sp = p.sequence_parallel and p.tp > 1
     blocks = _stage_blocks(m, partition, stage)
-    full = [layer_acts(m, i, p.tp, b).per_rank(p.tp, sp) * tokens for i in blocks]
-    loss = _loss_acts(m, p.tp, b).per_rank(p.tp, sp) * tokens if stage == len(partition) - 1 else 0.0
+    gathered = gathered_input_bytes(m, p.tp, sp, sp_regather, b)  # per region: attention, FFN, the head
+    full = [(layer_acts(m, i, p.tp, b).per_rank(p.tp, sp) + 2 * gathered) * tokens for i in blocks]
+    loss = (_loss_acts(m, p.tp, b).per_rank(p.tp, sp) + gathered * (1 + mtp_layers(m))) * tokens \
+        if stage == len(partition) - 1 else 0.0
     kept = len(blocks) * m.hidden_size * b / (p.tp if sp else 1) * tokens + loss
     flight = in_flight(stage, p.pp, micro_batches, p.virtual_stages)
     working = max(full, default=0.0)
