@@ -10,7 +10,7 @@ from .comm import (AllToAllBytes, ZeroComm, _kv_bytes_per_token, _passes, alltoa
                    pipeline_bytes, tensor_parallel_bytes, tensor_parallel_extra_bytes, zero_comm)
 from .nodes import Links, stage_node_traffic
 from .memory import (ModelStateBytes, RankParams, StageActivations, _stage_blocks, grad_reduce_bytes,
-                     model_state_bytes, rank_params, stage_activation_bytes)
+                     micro_batch_grad_bytes, model_state_bytes, rank_params, stage_activation_bytes)
 from .params import (GB, PRECISIONS, ParamCount, ParamReport, PlanError, Precision, count_parameters, is_moe_layer,
                      mtp_layers, precision_for)
 from .pipeline import bubble_fraction, stage_partition
@@ -132,6 +132,7 @@ def _stage_plan(cfg: Config, st: _Setting, partition: list[int], stage: int, par
     states = model_state_bytes(params, st.precision, st.zero, st.dense_group, st.edp)
     acts = stage_activation_bytes(cfg, partition, stage, st.micro_batches, st.precision, st.sp_regather)
     act = acts.full_recompute if cfg.parallel.recompute == "full" else acts.no_recompute
+    act += micro_batch_grad_bytes(params, st.precision, st.zero)
     blocks = _stage_blocks(cfg.model, partition, stage)
     comm = _stage_comm(cfg, st, stage, blocks, params)
     moe = sum(is_moe_layer(cfg.model, i) for i in blocks)

@@ -84,6 +84,18 @@ def grad_reduce_bytes(p: RankParams, prec: Precision) -> float:
     return 2 * prec.grad_bytes * min(p.dense + p.expert, DS_ALLREDUCE_BUCKET)
 
 
+def micro_batch_grad_bytes(p: RankParams, prec: Precision, zero: int) -> float:
+    """The micro-batch's own gradients, in the weights' dtype, when they are accumulated elsewhere
+    (`mixed_fp32_grads`: DeepSpeed's BF16_Optimizer folds each backward's bf16 param.grad into its
+    fp32 buffer after that backward, so at its end every bf16 gradient is live beside the
+    activations still in flight; 7.4 + 1.9 GB at DeepSeek-V3's stage 0 in the dry run). Recipes
+    that accumulate in param.grad itself count it in the model states; ZeRO 2-3 reduce it in
+    buckets during the backward."""
+    if prec.grad_bytes == prec.param_bytes or zero >= 2:
+        return 0.0
+    return prec.param_bytes * (p.dense + p.expert)
+
+
 # ----------------------------------------------------------------------------- activation memory
 
 @dataclass(frozen=True)
@@ -107,22 +119,29 @@ class TokenActs:
 FP32 = 4  # bytes: router scores, attention log-sum-exp and logits are kept in fp32
 
 
+ATTENTION_OUTPUT_COPIES = 1  # o_proj's input copied from attention's by-head output (cuDNN, _attention_acts)
+
+
 def _attention_acts(m: ModelConfig, tp: int, b: int) -> TokenActs:
     """Korthikanti et al. 2022's accounting with flash attention (no s^2 terms): the norm's input and
     output, Q, K, V, the attention output and its fp32 log-sum-exp. MLA: its real shapes, K expanded
     to every head, plus the q/kv latents around their norms (replicated under TP): q_a_proj's output
     and its norm's, kv_a_proj_with_mqa's (the latent and the RoPE key) and its norm's. V is a view
-    of kv_b_proj's output, so attention's saved V keeps the whole of it, K's no-RoPE half too."""
+    of kv_b_proj's output, so attention's saved V keeps the whole of it, K's no-RoPE half too (seen
+    on an H200). There cuDNN's attention (torch 2.11's pick for MLA's 192/128 heads and for GQA)
+    returns (B, H, T, Dv) laid out by head, so o_proj's (B, T, H Dv) input is a copy it keeps
+    beside the output attention keeps: one more Dv per head (ATTENTION_OUTPUT_COPIES)."""
     h, a = m.hidden_size, m.num_attention_heads
     heads = a / tp
     if m.arch == "deepseek_v3":
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         latents = 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_rope_head_dim
         kv_b = m.qk_nope_head_dim + m.v_head_dim
-        return TokenActs((2 * h + latents) * b, heads * (2 * qk + kv_b + m.v_head_dim) * b + heads * FP32)
+        out = (1 + ATTENTION_OUTPUT_COPIES) * m.v_head_dim
+        return TokenActs((2 * h + latents) * b, heads * (2 * qk + kv_b + out) * b + heads * FP32)
     d, kv = m.head_dim or h // a, m.num_key_value_heads or a
     kv_per_rank = max(kv / tp, 1)  # GQA heads are replicated when tp > kv heads
-    return TokenActs(2 * h * b, (2 * heads + 2 * kv_per_rank) * d * b + heads * FP32)
+    return TokenActs(2 * h * b, ((2 + ATTENTION_OUTPUT_COPIES) * heads + 2 * kv_per_rank) * d * b + heads * FP32)
 
 
 def _ffn_acts(m: ModelConfig, layer: int, tp: int, b: int) -> TokenActs:
@@ -147,15 +166,16 @@ def _head_acts(m: ModelConfig, tp: int, b: int) -> TokenActs:
     return TokenActs(2 * m.hidden_size * b, m.vocab_size / tp * FP32)
 
 
-LOSS_BACKWARD_FP32 = 3  # vocabulary-wide fp32 tensors per token the loss's backward adds at its peak
+LOSS_BACKWARD_FP32 = 2  # vocabulary-wide fp32 tensors per token the loss's backward adds at its peak
 
 
 def loss_backward_bytes(m: ModelConfig, tp: int) -> float:
     """Bytes per token the cross-entropy's backward holds beside its saved fp32 log-probabilities, at
-    the last stage's peak: the log-probabilities' gradient (from the NLL), the logits' fp32 gradient
-    (log-softmax backward) and its cast for the bf16 head, counted as one more fp32 tensor (the dry
-    run's measure, docs/DRY_RUN.md); each V / tp wide. One head at a time: the MTP heads' backward
-    runs after the main one's."""
+    the last stage's peak: the log-probabilities' gradient (from the NLL) and the logits' fp32
+    gradient (log-softmax backward), each V / tp wide: measured on an H200 (torch 2.11), where the
+    backward peaks at three (B T, V) fp32 tensors, the saved log-probabilities included (the dry run
+    counts one more: docs/DRY_RUN.md). One head at a time: the MTP heads' backward runs after the
+    main one's."""
     return LOSS_BACKWARD_FP32 * m.vocab_size / tp * FP32
 
 
