@@ -2,13 +2,13 @@
 
 `SiteMeter` is the dry run's MemoryMeter that also names the code behind the bytes: every storage
 of at least `min_bytes` is tagged, when it is created, with the call site that made it (the
-innermost moe_trainer frame; in the autograd engine's device thread, where backward ops run, the
+innermost moe_trainer frame outside SKIP; in the autograd engine's device thread, where backward ops run, the
 frame of the main thread that called backward and the autograd node running). At each new peak it
 keeps the live bytes per site, so a rank's report can list what held the memory at its peak.
 
 `verdict` turns a finished dry run into the capacity check: the rank whose peak is over the card,
 one sentence with its peak, the largest call sites at that peak and the settings that the planner,
-calibrated by the ranks' measured peak / plan ratio, says would bring it under.
+calibrated by that rank's measured peak / plan ratio, says would bring it under.
 """
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ from .fake_cuda import MemoryMeter, call_site
 GB = 1e9
 TAG_BYTES = 1 << 20  # storages below this size are counted but not tagged (a stack walk each)
 TOP_SITES = 4  # call sites the sentence names
+# frames a site skips: the dry run itself, and the kernels and layers every model calls (the model's
+# line that called them says more)
+SKIP = ("/parallel/dryrun/", "/kernels/", "/models/layers.py")
 
 
 def _main_thread_site() -> str:
@@ -40,11 +43,6 @@ def _main_thread_site() -> str:
         frame = frame.f_back
     node = torch._C._current_autograd_node()
     return f"{where} (backward: {node.name()})" if node is not None else f"{where} (backward)"
-
-
-# frames a site skips: the dry run itself, and the kernels and layers every model calls (the model's
-# line that called them says more)
-SKIP = ("/parallel/dryrun/", "/kernels/", "/models/layers.py")
 
 
 def tensor_site() -> str:
