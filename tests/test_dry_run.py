@@ -94,8 +94,8 @@ def test_moe_tiny_all_ranks_json(tiny_pp2):
     assert report["groups"]["pp"] == [[0, 1]] and report["groups"]["dp"] == [[0], [1]]
     assert set(report["ranks"]) == {"0", "1"}
     for rank in report["ranks"].values():
-        # the planner's estimate within the band docs/DRY_RUN.md states (0.95-1.30x on the shipped configs)
-        assert 0.8 <= rank["peak_bytes"] / rank["plan_bytes"] <= 1.35, rank
+        # the planner's estimate within the band docs/DRY_RUN.md states (0.9-1.15x; here 1.00-1.01x)
+        assert 0.9 <= rank["peak_bytes"] / rank["plan_bytes"] <= 1.15, rank
         # one GPU per node: the stages' transfers cross nodes, nothing stays inside one
         assert rank["inter_node_bytes"] > 0 and rank["intra_node_bytes"] == 0
 

@@ -324,3 +324,25 @@ def test_bf16_plans_count_fp32_gradients_unless_accumulated_in_bf16():
     a, b = fp32_grads.stages[0], bf16_grads.stages[0]
     assert within(a.states.grads, 2 * b.states.grads, 1e-9)  # 4 bytes per parameter instead of 2
     assert within(a.comm.dense_dp.all_reduce, 2 * b.comm.dense_dp.all_reduce, 1e-9)  # reduced in fp32
+
+
+def test_llama3_405b_fits_80gb_with_metas_choices():
+    """Meta trained 405B at TP 8 x PP 16 x DP 128 on 80 GB H100s. As this trainer would run it (ZeRO-1,
+    fp32 gradients whole on every rank, the sequence-parallel regions keeping their gathered input)
+    it does not fit; with Meta's choices, gradients sharded with the optimizer state over the
+    data-parallel ranks (FSDP, --zero 2) and Megatron's sharded sequence-parallel inputs
+    (--sp-regather), the heaviest stage does."""
+    cfg = load_config(str(CONFIGS / "llama3_405b.yaml"))
+    ours = plan.make_plan(cfg, 16384)
+    meta = plan.make_plan(cfg, 16384, zero=2, sp_regather=True)
+    assert not ours.fits and meta.fits
+    assert meta.partition == [7] + [8] * 14 + [7] and meta.peak_stage == 1
+    # the gathered inputs are what --sp-regather takes away: two regions per layer, h (1 - 1/8) bf16 each,
+    # for 8 layers x 15 micro-batches in flight and the layer whose backward runs (its gradients' peak)
+    tokens, h, flight = 8192, 16384, 15
+    gathered = 2 * h * 2 * (1 - 1 / 8) * tokens * (8 * flight + 1)
+    regather = plan.make_plan(cfg, 16384, sp_regather=True)
+    assert ours.stages[1].activation_bytes - regather.stages[1].activation_bytes == pytest.approx(gathered)
+    # ZeRO-2 takes the fp32 gradients (4 bytes per parameter) down to a 1/128 shard
+    p = meta.stages[1].params.dense
+    assert regather.stages[1].states.grads - meta.stages[1].states.grads == pytest.approx(4 * p * (1 - 1 / 128))

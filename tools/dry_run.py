@@ -40,7 +40,12 @@ its collectives counted by group and op. --json OUT writes {"world", "gpus_per_n
 every group of the world by kind, "ranks": {"<rank>": {"peak_bytes", "plan_bytes",
 "intra_node_bytes", "inter_node_bytes", ...}}} for the ranks that ran.
 
-exit status: 0 every check passed, 1 a check failed, 2 bad input.
+capacity: a rank whose peak is over --gpu-memory-gb (default 80, or the size of the first CUDA card
+this torch can see) fails the run with one sentence: the rank, its peak beside the planner's estimate,
+the call sites that held the most at the peak, and the settings (micro-batch, full recomputation,
+pipeline stages) that the planner, scaled by the measured peak / plan, says would bring it under.
+
+exit status: 0 every check passed, 1 a check failed (capacity included), 2 bad input.
 """
 
 
@@ -66,10 +71,25 @@ def parse_args(argv):
                    "interleaved) is run twice, at those two counts, and its traffic and collective counts "
                    "extrapolated exactly (both are linear in the count; the peak is already reached); "
                    "all: run every micro-batch")
+    p.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="memory per GPU in GB = 1e9 bytes; a rank that peaks above it fails the run (default: "
+                   "the first CUDA card's size when torch sees one, else 80)")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT")
     p.add_argument("--from-plan", metavar="PLAN.json", help="the layout `tools/plan.py --search --json PLAN.json` "
                    "found best: its --set overrides come first, yours after them")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
+        p.error(f"--gpu-memory-gb must be positive, got {args.gpu_memory_gb:g}")
+    return args
+
+
+def card_gb() -> float:
+    """The first CUDA card's memory in GB when this torch sees one (read before the dry run shims
+    torch.cuda), else 80, the planner's default."""
+    import torch
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / 1e9
+    return 80.0
 
 
 def main(argv=None) -> int:
@@ -87,6 +107,8 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
         args.overrides = layout + args.overrides
+    limit_gb = args.gpu_memory_gb or card_gb()
+    from moe_trainer.parallel.dryrun.capacity import capacity_line, verdict
     from moe_trainer.parallel.dryrun.runner import DryRunError, RuleError, Simulator, choose_ranks, format_report
     try:
         sim = Simulator(args.config, args.overrides, args.world, args.gpus_per_node, args.micro_batches)
@@ -102,8 +124,13 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(format_report(run))
+    print(capacity_line(run, limit_gb, args.config, args.overrides))
     if args.json:
         Path(args.json).write_text(json.dumps(run.as_json(), indent=1))
+    over = verdict(run, limit_gb, args.config, args.overrides)
+    if over:
+        print(f"error: {over}", file=sys.stderr)
+        return 1
     return 0
 
 

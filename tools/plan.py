@@ -84,6 +84,10 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="NVLink bandwidth per GPU and direction in Gb/s (default %(default)g: H100, 450 GB/s)")
     p.add_argument("--ib-gbps", type=float, default=plan.IB_GBPS,
                    help="network bandwidth per GPU and direction in Gb/s (default %(default)g: one NDR NIC per GPU)")
+    p.add_argument("--sp-regather", action="store_true",
+                   help="plan Megatron's sequence parallelism (Meta's Llama 3 training): a tensor-parallel region "
+                        "keeps its input's 1/tp shard and all-gathers it again in the backward; default: what this "
+                        "trainer does, keep the all-gathered input")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="OUT",
                    help="the plan (or --time's estimate, --search's best layout) as JSON: to OUT, or to stdout "
                         "without a path (instead of markdown)")
@@ -240,7 +244,7 @@ def _run_plan(argv: list[str]) -> int:
     cfg = load_config(args.config, args.set, read_init_from=True)  # a Hugging Face train.init_from: plan its model
     node = args.gpus_per_node or cfg.parallel.gpus_per_node or 8
     result = plan.make_plan(cfg, args.gpus, args.gpu_memory_gb, args.zero, args.precision, node,
-                            plan.Links(args.nvlink_gbps, args.ib_gbps))
+                            plan.Links(args.nvlink_gbps, args.ib_gbps), sp_regather=args.sp_regather)
     if args.json:
         _emit_json(args.json, plan.plan_to_dict(result))
     if args.json != "-":

@@ -9,8 +9,8 @@ from ..config import Config, ConfigError, Layout, validate_layout
 from .comm import (AllToAllBytes, ZeroComm, _kv_bytes_per_token, _passes, alltoall_bytes_expected, context_parallel_bytes,
                    pipeline_bytes, tensor_parallel_bytes, tensor_parallel_extra_bytes, zero_comm)
 from .nodes import Links, stage_node_traffic
-from .memory import (ModelStateBytes, RankParams, StageActivations, _stage_blocks, model_state_bytes, rank_params,
-                     stage_activation_bytes)
+from .memory import (ModelStateBytes, RankParams, StageActivations, _stage_blocks, grad_reduce_bytes,
+                     micro_batch_grad_bytes, model_state_bytes, rank_params, stage_activation_bytes)
 from .params import (GB, PRECISIONS, ParamCount, ParamReport, PlanError, Precision, count_parameters, is_moe_layer,
                      mtp_layers, precision_for)
 from .pipeline import bubble_fraction, stage_partition
@@ -44,10 +44,11 @@ class StagePlan:
     states: ModelStateBytes  # under the plan's ZeRO stage and precision
     activations: StageActivations
     activation_bytes: float  # under the config's parallel.recompute
-    total: float  # states + activation_bytes
+    total: float  # states + max(activation_bytes, grad_reduce)
     comm: StageComm
     nodes: dict = dataclasses.field(default_factory=dict)  # kind -> NodeTraffic (inside / across nodes, time)
     comm_seconds: float = 0.0  # the kinds' times added up (no overlap with compute or each other assumed)
+    grad_reduce: float = 0.0  # the step boundary's gradient buckets (memory.grad_reduce_bytes)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class Plan:
     peak_bytes: float
     fits: bool
     virtual_stages: int = 1  # chunks per pipeline rank (interleaved 1F1B when > 1)
+    sp_regather: bool = False  # planned with Megatron's sharded sequence-parallel inputs (not this trainer's)
     gpus_per_node: int = 8
     links: Links = Links()
     rank_order: str = ""
@@ -104,6 +106,7 @@ class _Setting:
     dense_group: int  # dp * cp
     edp: int
     alltoall: AllToAllBytes  # one MoE layer, one micro-batch, forward
+    sp_regather: bool = False  # sequence-parallel region inputs kept as shards (memory.gathered_input_bytes)
 
 
 def _stage_comm(cfg: Config, st: _Setting, stage: int, blocks: list[int], params: RankParams) -> StageComm:
@@ -127,13 +130,16 @@ def _stage_comm(cfg: Config, st: _Setting, stage: int, blocks: list[int], params
 def _stage_plan(cfg: Config, st: _Setting, partition: list[int], stage: int, params: RankParams) -> StagePlan:
     """Memory and traffic of one rank of `stage`."""
     states = model_state_bytes(params, st.precision, st.zero, st.dense_group, st.edp)
-    acts = stage_activation_bytes(cfg, partition, stage, st.micro_batches, st.precision)
+    acts = stage_activation_bytes(cfg, partition, stage, st.micro_batches, st.precision, st.sp_regather)
     act = acts.full_recompute if cfg.parallel.recompute == "full" else acts.no_recompute
+    act += micro_batch_grad_bytes(params, st.precision, st.zero)
     blocks = _stage_blocks(cfg.model, partition, stage)
     comm = _stage_comm(cfg, st, stage, blocks, params)
     moe = sum(is_moe_layer(cfg.model, i) for i in blocks)
     mtp = mtp_layers(cfg.model) if stage == len(partition) - 1 else 0
-    return StagePlan(stage, partition[stage], moe, mtp, params, states, acts, act, states.total + act, comm)
+    reduce = grad_reduce_bytes(params, st.precision) if st.zero < 2 else 0.0
+    return StagePlan(stage, partition[stage], moe, mtp, params, states, acts, act, states.total + max(act, reduce),
+                     comm, grad_reduce=reduce)
 
 
 def layout_on(cfg: Config, gpus: int, gpus_per_node: Optional[int] = None) -> Layout:
@@ -154,7 +160,8 @@ def layout_on(cfg: Config, gpus: int, gpus_per_node: Optional[int] = None) -> La
 
 
 def make_plan(cfg: Config, gpus: int, gpu_memory_gb: float = 80.0, zero: int = 1,
-              precision: Optional[str] = None, gpus_per_node: int = 8, links: Links = Links()) -> Plan:
+              precision: Optional[str] = None, gpus_per_node: int = 8, links: Links = Links(),
+              sp_regather: bool = False) -> Plan:
     """Plan a validated config on `gpus` GPUs (dp = gpus / (pp * tp * cp)) with ZeRO stage `zero` and a
     precision recipe of `PRECISIONS` (default from train.dtype). Raises ConfigError for a layout that
     does not divide and PlanError for other bad numbers."""
@@ -176,7 +183,7 @@ def make_plan(cfg: Config, gpus: int, gpu_memory_gb: float = 80.0, zero: int = 1
     alltoall = alltoall_bytes_expected(_tokens_per_rank(cfg), m.num_experts_per_tok, m.hidden_size, p.ep,
                                        prec.act_bytes, m.n_routed_experts, p.dedup_dispatch, m.n_group,
                                        m.topk_group)
-    st = _Setting(prec, zero, layout.grad_accum, layout.dp * layout.cp, layout.edp, alltoall)
+    st = _Setting(prec, zero, layout.grad_accum, layout.dp * layout.cp, layout.edp, alltoall, sp_regather)
     per_rank = rank_params(m, p, partition)
     groups = group_ranks(layout)
     stages = [_with_nodes(_stage_plan(cfg, st, partition, s, per_rank[s]), layout, links, groups) for s in range(p.pp)]
@@ -193,7 +200,7 @@ def make_plan(cfg: Config, gpus: int, gpu_memory_gb: float = 80.0, zero: int = 1
         partition=partition, stages=stages, state_table=table, heaviest_stage=heaviest, alltoall_per_layer=alltoall,
         bubble=bubble_fraction(p.pp, layout.grad_accum, p.virtual_stages), peak_stage=peak.stage,
         peak_bytes=peak.total, fits=peak.total <= gpu_memory_gb * GB, virtual_stages=p.virtual_stages,
-        gpus_per_node=layout.node_size, links=links, rank_order=layout.order)
+        gpus_per_node=layout.node_size, links=links, rank_order=layout.order, sp_regather=sp_regather)
 
 
 def _with_nodes(stage: StagePlan, layout: Layout, links: Links, groups: dict) -> StagePlan:

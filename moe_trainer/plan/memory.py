@@ -73,6 +73,29 @@ def model_state_bytes(p: RankParams, prec: Precision, zero: int, dense_group: in
                               prec.optim_bytes * per_rank(zero >= 1))
 
 
+DS_ALLREDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's engine all-reduces gradients in buckets this large
+
+
+def grad_reduce_bytes(p: RankParams, prec: Precision) -> float:
+    """The step boundary's temporaries (DeepSpeed's engine, ZeRO 0-1): after the last backward it
+    flattens the gradients into buckets of up to DS_ALLREDUCE_BUCKET elements and all-reduces them;
+    the dry run sees two gradient-sized copies live at once. The activations are gone by then, so a
+    stage needs states + max(activations, this)."""
+    return 2 * prec.grad_bytes * min(p.dense + p.expert, DS_ALLREDUCE_BUCKET)
+
+
+def micro_batch_grad_bytes(p: RankParams, prec: Precision, zero: int) -> float:
+    """The micro-batch's own gradients, in the weights' dtype, when they are accumulated elsewhere
+    (`mixed_fp32_grads`: DeepSpeed's BF16_Optimizer folds each backward's bf16 param.grad into its
+    fp32 buffer after that backward, so at its end every bf16 gradient is live beside the
+    activations still in flight; 7.4 + 1.9 GB at DeepSeek-V3's stage 0 in the dry run). Recipes
+    that accumulate in param.grad itself count it in the model states; ZeRO 2-3 reduce it in
+    buckets during the backward."""
+    if prec.grad_bytes == prec.param_bytes or zero >= 2:
+        return 0.0
+    return prec.param_bytes * (p.dense + p.expert)
+
+
 # ----------------------------------------------------------------------------- activation memory
 
 @dataclass(frozen=True)
@@ -96,19 +119,29 @@ class TokenActs:
 FP32 = 4  # bytes: router scores, attention log-sum-exp and logits are kept in fp32
 
 
+ATTENTION_OUTPUT_COPIES = 1  # o_proj's input copied from attention's by-head output (cuDNN, _attention_acts)
+
+
 def _attention_acts(m: ModelConfig, tp: int, b: int) -> TokenActs:
     """Korthikanti et al. 2022's accounting with flash attention (no s^2 terms): the norm's input and
     output, Q, K, V, the attention output and its fp32 log-sum-exp. MLA: its real shapes, K expanded
-    to every head, plus the q/kv latents around their norms (replicated under TP)."""
+    to every head, plus the q/kv latents around their norms (replicated under TP): q_a_proj's output
+    and its norm's, kv_a_proj_with_mqa's (the latent and the RoPE key) and its norm's. V is a view
+    of kv_b_proj's output, so attention's saved V keeps the whole of it, K's no-RoPE half too (seen
+    on an H200). There cuDNN's attention (torch 2.11's pick for MLA's 192/128 heads and for GQA)
+    returns (B, H, T, Dv) laid out by head, so o_proj's (B, T, H Dv) input is a copy it keeps
+    beside the output attention keeps: one more Dv per head (ATTENTION_OUTPUT_COPIES)."""
     h, a = m.hidden_size, m.num_attention_heads
     heads = a / tp
     if m.arch == "deepseek_v3":
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        latents = 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank
-        return TokenActs((2 * h + latents) * b, heads * (2 * qk + 2 * m.v_head_dim) * b + heads * FP32)
+        latents = 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_rope_head_dim
+        kv_b = m.qk_nope_head_dim + m.v_head_dim
+        out = (1 + ATTENTION_OUTPUT_COPIES) * m.v_head_dim
+        return TokenActs((2 * h + latents) * b, heads * (2 * qk + kv_b + out) * b + heads * FP32)
     d, kv = m.head_dim or h // a, m.num_key_value_heads or a
     kv_per_rank = max(kv / tp, 1)  # GQA heads are replicated when tp > kv heads
-    return TokenActs(2 * h * b, (2 * heads + 2 * kv_per_rank) * d * b + heads * FP32)
+    return TokenActs(2 * h * b, ((2 + ATTENTION_OUTPUT_COPIES) * heads + 2 * kv_per_rank) * d * b + heads * FP32)
 
 
 def _ffn_acts(m: ModelConfig, layer: int, tp: int, b: int) -> TokenActs:
@@ -133,6 +166,19 @@ def _head_acts(m: ModelConfig, tp: int, b: int) -> TokenActs:
     return TokenActs(2 * m.hidden_size * b, m.vocab_size / tp * FP32)
 
 
+LOSS_BACKWARD_FP32 = 2  # vocabulary-wide fp32 tensors per token the loss's backward adds at its peak
+
+
+def loss_backward_bytes(m: ModelConfig, tp: int) -> float:
+    """Bytes per token the cross-entropy's backward holds beside its saved fp32 log-probabilities, at
+    the last stage's peak: the log-probabilities' gradient (from the NLL) and the logits' fp32
+    gradient (log-softmax backward), each V / tp wide: measured on an H200 (torch 2.11), where the
+    backward peaks at three (B T, V) fp32 tensors, the saved log-probabilities included (the dry run
+    counts one more: docs/DRY_RUN.md). One head at a time: the MTP heads' backward runs after the
+    main one's."""
+    return LOSS_BACKWARD_FP32 * m.vocab_size / tp * FP32
+
+
 @dataclass(frozen=True)
 class StageActivations:
     """Activation bytes on one rank of a stage (the last stage's loss and MTP modules included)."""
@@ -141,8 +187,12 @@ class StageActivations:
     per_micro_batch_recompute: float  # full recomputation: each layer's input (the loss is kept)
     working_set: float  # full recomputation: one layer's activations rebuilt during its backward
     in_flight: float  # micro-batches' worth (fractional with parallel.virtual_stages > 1)
-    no_recompute: float  # in_flight * per_micro_batch
-    full_recompute: float  # in_flight * per_micro_batch_recompute + working_set
+    no_recompute: float  # in_flight * per_micro_batch + backward_peak
+    full_recompute: float  # in_flight * per_micro_batch_recompute + working_set + backward_peak
+    # what a backward holds beside the saved activations at the stage's peak: the gradients inside
+    # its heaviest layer (about that layer's activations again), or on the last stage the loss's
+    # backward (loss_backward_bytes), whichever is more
+    backward_peak: float = 0.0
 
 
 def _stage_blocks(m: ModelConfig, partition: Sequence[int], stage: int) -> list[int]:
@@ -161,8 +211,17 @@ def _loss_acts(m: ModelConfig, tp: int, b: int) -> TokenActs:
     return TokenActs(head.norm_region * (1 + n) + 4 * m.hidden_size * b * n, head.tp_split * (1 + n))
 
 
+def gathered_input_bytes(m: ModelConfig, tp: int, sp: bool, sp_regather: bool, b: int) -> float:
+    """Bytes per token a tensor-parallel region's input costs beyond its 1/tp shard under sequence
+    parallelism: this trainer's region all-gathers the normed sequence and its first projections
+    keep the gathered (T, h) input for their weight gradients, where the planner's norm region
+    holds h / tp. Megatron (and Meta's Llama 3 training) keeps only the shard and all-gathers it
+    again in the backward (Korthikanti et al. 2022, section 4.2.2): `sp_regather` plans that."""
+    return 0.0 if not sp or sp_regather else m.hidden_size * b * (1 - 1 / tp)
+
+
 def stage_activation_bytes(cfg: Config, partition: Sequence[int], stage: int, micro_batches: int,
-                           prec: Precision) -> StageActivations:
+                           prec: Precision, sp_regather: bool = False) -> StageActivations:
     """Activation memory of one stage.
 
     Tokens per rank and micro-batch: micro_batch_size * seq_len / cp. Full recomputation keeps each
@@ -175,14 +234,19 @@ def stage_activation_bytes(cfg: Config, partition: Sequence[int], stage: int, mi
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len / p.cp
     sp = p.sequence_parallel and p.tp > 1
     blocks = _stage_blocks(m, partition, stage)
-    full = [layer_acts(m, i, p.tp, b).per_rank(p.tp, sp) * tokens for i in blocks]
-    loss = _loss_acts(m, p.tp, b).per_rank(p.tp, sp) * tokens if stage == len(partition) - 1 else 0.0
+    gathered = gathered_input_bytes(m, p.tp, sp, sp_regather, b)  # per region: attention, FFN, the head
+    full = [(layer_acts(m, i, p.tp, b).per_rank(p.tp, sp) + 2 * gathered) * tokens for i in blocks]
+    loss = (_loss_acts(m, p.tp, b).per_rank(p.tp, sp) + gathered * (1 + mtp_layers(m))) * tokens \
+        if stage == len(partition) - 1 else 0.0
     kept = len(blocks) * m.hidden_size * b / (p.tp if sp else 1) * tokens + loss
     flight = in_flight(stage, p.pp, micro_batches, p.virtual_stages)
     working = max(full, default=0.0)
+    last = stage == len(partition) - 1
+    backward = max(working, loss_backward_bytes(m, p.tp) * tokens if last else 0.0)
     return StageActivations(per_micro_batch=sum(full) + loss, per_micro_batch_recompute=kept,
-                            working_set=working, in_flight=flight, no_recompute=flight * (sum(full) + loss),
-                            full_recompute=flight * kept + working)
+                            working_set=working, in_flight=flight,
+                            no_recompute=flight * (sum(full) + loss) + backward,
+                            full_recompute=flight * kept + working + backward, backward_peak=backward)
 
 
 # ----------------------------------------------------------------------------- the ZeRO paper's table

@@ -96,7 +96,19 @@ def _stage_lines(plan: Plan) -> list[str]:
             "MoE: top-k routed copies per token, fp32 logits on the last stage): in flight = min(pp - stage, "
             "micro-batches) under 1F1B; full recomputation keeps each layer's input plus one layer being "
             "recomputed. Not counted: communication buffers, allocator fragmentation, CUDA workspaces.", "",
+            _sp_note(plan), "",
             *_mtp_note(plan)]
+
+
+def _sp_note(plan: Plan) -> str:
+    """How the plan holds the sequence-parallel regions' inputs, and the backward's own peak."""
+    sp = ("Sequence parallelism: each region keeps its input's 1/tp shard and all-gathers it again in the "
+          "backward (Megatron's, as Meta trained Llama 3: --sp-regather)." if plan.sp_regather else
+          "Sequence parallelism as this trainer runs it: each tensor-parallel region keeps its all-gathered "
+          "input ((1 - 1/tp) h more per token and region than the shard; --sp-regather plans Megatron's)."
+          if plan.sequence_parallel else "")
+    return (sp + " Each total adds the backward's own peak (the gradients inside the heaviest layer, or the "
+            "last stage's cross-entropy backward) and is at least the step's gradient buckets.").strip()
 
 
 def _mtp_note(plan: Plan) -> list[str]:

@@ -140,10 +140,15 @@ class MemoryMeter:
     """Live and peak bytes of fake CUDA storages: a storage counts from its first fake tensor's
     creation until its last fake tensor dies or moves to another storage (views share their base's
     storage; `param.data = other` moves a tensor, as DeepSpeed's flattening of the weights does, and
-    frees the old storage on a GPU once nothing else holds it)."""
+    frees the old storage on a GPU once nothing else holds it).
+
+    An op that fake mode runs as a decomposition (several inner ops) counts at its end, outputs
+    only: a GPU runs it as one kernel, which makes no such temporaries (cross-entropy's log-softmax
+    backward, for one, would otherwise peak at three vocabulary-wide fp32 tensors instead of one)."""
 
     def __init__(self):
         self.total = self.top = self.base = 0  # every simulated rank's bytes, kept alive until the reloads
+        self.depth = 0  # ops of the fake mode being dispatched, nested (op_enter / op_exit)
         self._refs: Counter = Counter()
         self._bytes: dict[int, int] = {}
         self._key_of: dict[int, int] = {}  # id of a live tracked tensor -> its storage's key
@@ -165,9 +170,21 @@ class MemoryMeter:
         if key not in self._bytes:
             self._bytes[key] = storage.nbytes()
             self.total += self._bytes[key]
-            self.top = max(self.top, self.total)
+            if self.depth <= 1 and self.total > self.top:
+                self._raise_top()
         self._refs[key] += 1
         return key
+
+    def _raise_top(self) -> None:
+        self.top = self.total
+
+    def op_enter(self) -> None:
+        self.depth += 1
+
+    def op_exit(self) -> None:
+        self.depth -= 1
+        if self.depth == 0 and self.total > self.top:
+            self._raise_top()
 
     def track(self, t: FakeTensor) -> None:
         if t.fake_device.type != "cuda":
@@ -248,6 +265,44 @@ def fused_attention():
         F.scaled_dot_product_attention = base
 
 
+class _FusedRmsNorm(torch.autograd.Function):
+    """F.rms_norm as CUDA builds run it (aten._fused_rms_norm): it keeps the input, the weight and
+    the fp32 reciprocal RMS per row for its backward. A CPU-only build has no such kernel for fake
+    CUDA tensors and runs the composite above autograd, which keeps the input upcast to fp32 and the
+    fp32 normalised rows: 8 bytes per element more than a GPU."""
+
+    @staticmethod
+    def forward(ctx, x, shape, weight, eps, base):
+        y = base(x, shape, weight, eps)  # the composite's temporaries die here, as inside the kernel
+        rstd = x.new_empty(tuple(x.shape[:x.dim() - len(shape)]) + (1,) * len(shape), dtype=torch.float32)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dw = torch.empty_like(weight) if weight is not None and ctx.needs_input_grad[2] else None
+        return torch.empty_like(x), None, dw, None, None
+
+
+@contextlib.contextmanager
+def fused_rms_norm():
+    """F.rms_norm on fake CUDA tensors keeps what the fused CUDA kernel keeps (_FusedRmsNorm)."""
+    import torch.nn.functional as F
+    base = F.rms_norm
+
+    def rms_norm(x, normalized_shape, weight=None, eps=None):
+        if not isinstance(x, FakeTensor) or x.fake_device.type != "cuda" or not torch.is_grad_enabled():
+            return base(x, normalized_shape, weight, eps)
+        return _FusedRmsNorm.apply(x, tuple(normalized_shape), weight, eps, base)
+
+    F.rms_norm = rms_norm
+    try:
+        yield
+    finally:
+        F.rms_norm = base
+
+
 # ----------------------------------------------------------------------------- the fake mode
 
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
@@ -289,7 +344,14 @@ class FakeCudaMode(FakeTensorMode):
             return False if dtype == torch.bool else (0.0 if dtype.is_floating_point else 0)
         if func in _PIN:
             return args[0] if func is _PIN[0] else False
-        return super().dispatch(func, types, args, kwargs)
+        meter = _METER[0] if _METER else None
+        if meter is None:
+            return super().dispatch(func, types, args, kwargs)
+        meter.op_enter()  # a decomposition's inner ops come back through here, nested (MemoryMeter)
+        try:
+            return super().dispatch(func, types, args, kwargs)
+        finally:
+            meter.op_exit()
 
 
 def quiet_fake_tensor_logs() -> None:

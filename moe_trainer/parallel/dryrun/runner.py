@@ -9,6 +9,10 @@ puts in their place, and why, is all here:
 - `materialize` (models/init.py): uninitialised fake tensors on the rank's device (fake_cuda.py);
 - SDPA: the memory-efficient kernel's op, output and log-sum-exp only (`fused_attention`), as a GPU
   runs it; torch without CUDA would take its math path under fake CUDA and materialise the scores;
+- F.rms_norm: what the fused CUDA kernel keeps for its backward (`fused_rms_norm`), not the CPU
+  build's composite with its fp32 copies;
+- the optimizer's state (Adam's moments), made before the step as every later step finds it
+  (`capacity.prime_optimizer_state`), so the peak is a steady step's, not the first's;
 - the EP dispatcher's one host read, the split sizes: the balanced expectation
   (`balanced_splits`), since fake tensors carry no routing;
 - the checkpoint's bytes: each part file gets its real header and a hole the size of its data
@@ -37,13 +41,14 @@ import torch.distributed as dist
 from .fake_cuda import (
     CudaShim,
     FakeCudaMode,
-    MemoryMeter,
     fake_module_conversion,
     fused_attention,
+    fused_rms_norm,
     install_meter,
     materialize_without_init,
     quiet_fake_tensor_logs,
 )
+from .capacity import SiteMeter, prime_optimizer_state
 from .nccl_rules import NcclRules, RuleError
 
 MODES = ("all", "roles")
@@ -66,7 +71,7 @@ class RankReport:
     host_reads: int
     seconds: float
     micro_batches_run: list  # the schedule's count, or the two shorter runs extrapolated from
-
+    peak_sites: list = field(default_factory=list)  # [{site, bytes, tensors}] live at the peak, largest first
 
     def as_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "rank"}
@@ -264,7 +269,7 @@ class Simulator:
             self.layout = validate_layout(self.base_cfg, world, self.gpus_per_node)
         except ConfigError as e:
             raise DryRunError(f"config error: {e}") from None
-        self.meter = MemoryMeter()
+        self.meter = SiteMeter()
         self.cuda = CudaShim(self.gpus_per_node, self.meter)
         self.rules = NcclRules(world, self.gpus_per_node)
         self.written: dict = {}  # part file -> the digest its writer returned
@@ -328,7 +333,8 @@ class Simulator:
         return RankReport(rank, stage, _role_text(built), peak, self.plan_bytes()[stage],
                           traffic["intra_node_bytes"], traffic["inter_node_bytes"], traffic["collectives"],
                           traffic["host_reads"], time.perf_counter() - t0,
-                          list(sizes) if sizes else [self.layout.grad_accum])
+                          list(sizes) if sizes else [self.layout.grad_accum],
+                          [site.as_json() for site in self.meter.take_peak_sites()])
 
     def _run_pass(self, rank: int, overrides: list[str], keep: bool):
         """Builds rank `rank`'s trainer from `overrides`, trains one step and, with `keep`, saves it and
@@ -363,11 +369,12 @@ class Simulator:
                                 rank=rank, world_size=self.world)
         try:
             mesh_module.build_mesh = build_mesh
-            with mode, fake_module_conversion(), fused_attention(), one_run_directory(), \
+            with mode, fake_module_conversion(), fused_attention(), fused_rms_norm(), one_run_directory(), \
                     balanced_dispatch(cfg.model), fake_checkpoint_bytes(self.written):
                 trainer_module.materialize = materialize_without_init(
                     device, torch.bfloat16 if cfg.train.dtype in ("bf16", "auto") else None)
                 trainer = make_trainer(cfg, layout)
+                prime_optimizer_state(trainer.engine)  # the peak of a step after the first (capacity.py)
                 trainer.train_step()  # every micro-batch of the schedule, then the optimizer step
                 log = self.rules.logs[rank]
                 marks = len(log.calls), len(log.p2p), sum(mode.host_reads.values())
