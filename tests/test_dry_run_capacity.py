@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_trainer import plan
-from moe_trainer.config import load_config
+from moe_trainer.resolve import load_config
 from moe_trainer.parallel.dryrun.capacity import SiteMeter, knobs, verdict
 from test_dry_run import ROOT, dry_run, error_line
 

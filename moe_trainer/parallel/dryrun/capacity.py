@@ -161,7 +161,8 @@ class Knob:
 def _planned_peak(config: str, overrides: Sequence[str], world: int) -> Optional[float]:
     """The planner's heaviest rank for `config` + `overrides` at `world` GPUs, None if that layout is
     not valid (a pp that does not divide, a micro-batch that does not divide the batch)."""
-    from ...config import ConfigError, load_config
+    from ...config import ConfigError
+    from ...resolve import load_config
     from ...plan import PlanError, make_plan
     try:
         cfg = load_config(config, list(overrides))
@@ -175,7 +176,7 @@ def _planned_peak(config: str, overrides: Sequence[str], world: int) -> Optional
 def knobs(config: str, overrides: Sequence[str], world: int, limit: float, ratio: float) -> list[Knob]:
     """For each knob (micro-batch, recomputation, pipeline stages), the least change that the planner,
     scaled by `ratio` (the rank's measured peak / its plan), puts under `limit` bytes."""
-    from ...config import load_config
+    from ...resolve import load_config
     cfg = load_config(config, list(overrides))
     base = list(overrides) + (["parallel.micro_batches=0"] if cfg.parallel.micro_batches else [])
     tries: list[list[tuple]] = [
