@@ -66,6 +66,9 @@ def parse_args(argv):
                    "interleaved) is run twice, at those two counts, and its traffic and collective counts "
                    "extrapolated exactly (both are linear in the count; the peak is already reached); "
                    "all: run every micro-batch")
+    p.add_argument("--routing", default="skewed", choices=("skewed", "balanced"),
+                   help="the EP split sizes (fake tensors carry no routing): skewed (default), a seeded skewed "
+                   "routing with one EP rank receiving nothing; balanced, the planner's expectation")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT")
     return p.parse_args(argv)
 
@@ -74,7 +77,8 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from moe_trainer.parallel.dryrun.runner import DryRunError, RuleError, Simulator, choose_ranks, format_report
     try:
-        sim = Simulator(args.config, args.overrides, args.world, args.gpus_per_node, args.micro_batches)
+        sim = Simulator(args.config, args.overrides, args.world, args.gpus_per_node, args.micro_batches,
+                        args.routing)
         ranks = choose_ranks(args.ranks, sim.layout, args.world)
     except DryRunError as e:
         print(f"error: {e}", file=sys.stderr)
