@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from moe_trainer.parallel.dryrun.routing import skewed_matrix
 from test_dry_run import dry_run, error_line
 
-PP2 = ["--config", "configs/moe_tiny.yaml", "--world", "4", "--gpus-per-node", "4", "--set", "parallel.pp=2"]
+PP2 = ["--config", "configs/moe_tiny.yaml", "--world", "4", "--gpus-per-node", "4", "--set", "parallel.pp=2",
+       "--micro-batches", "all"]
 # the layout of issue 42: stage 0 holds only dense layers, stage 1 the MoE layers, ep 2, bf16
 DENSE_STAGE = ["--config", "configs/moe_tiny.yaml", "--world", "4", "--gpus-per-node", "4",
                "--set", "model.first_k_dense_replace=2", "--set", "parallel.pp=2", "--set", "parallel.ep=2",
                "--set", "parallel.pp_partition=[2,2]", "--set", "train.dtype=bf16"]
-EP2 = ["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "2", "--set", "parallel.ep=2"]
+EP2 = ["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "2", "--set", "parallel.ep=2",
+       "--micro-batches", "all"]
 
 # one extra all-reduce on the pipeline group, made by the last stage only (as the MoE stages' expert
 # gradient norm was): the roles that share the group no longer agree
@@ -114,20 +118,22 @@ atexit.register(lambda: print("LOOP " + " ".join(f"{k}={v}" for k, v in sorted(c
 
 
 def test_roles_compare_the_sequences_of_roles_sharing_a_group():
-    # world 4 at pp 2: the roles are stage 0 (rank 0) and stage 1 (rank 1); pp groups [0, 1] and [2, 3]
+    # world 4 at pp 2 (rank order tp-cp-dp-pp): the roles are stage 0 (rank 0) and stage 1 (rank 2), the
+    # pipeline groups [0, 2] and [1, 3]
     proc = dry_run(PP2 + ["--ranks", "roles"], EXTRA_ON_LAST_STAGE)
     assert proc.returncode == 1, proc.stderr[-3000:]
     line = error_line(proc)
     assert "the members of a group enter the same collectives in the same order" in line
-    assert "on group pp [0, 1]" in line and "rank 1" in line
-    assert "all_reduce (float32, 3 elements, sum)" in line
+    assert "on group pp [0, 2]" in line and "rank 2's is all_reduce (float32, 3 elements, sum)" in line
 
 
 def test_roles_stand_for_the_ranks_that_did_not_run():
-    # ranks 0 and 1 run; rank 3 (stage 1) is read through rank 1, rank 2 (stage 0) through rank 0
-    proc = dry_run(PP2 + ["--ranks", "0,1"], EXTRA_ON_LAST_STAGE)
+    # ranks 0 and 3 run: rank 2 (stage 1) is read through rank 3, rank 1 (stage 0) through rank 0
+    proc = dry_run(PP2 + ["--ranks", "0,3"], EXTRA_ON_LAST_STAGE)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "the same collectives in the same order" in error_line(proc)
+    line = error_line(proc)
+    assert "the same collectives in the same order" in line and "on group pp [0, 2]" in line
+    assert "rank 2 (as rank 3 of its role ran)" in line
 
 
 def test_dense_only_stage_with_moe_stage_passes_roles(tmp_path):
@@ -140,11 +146,17 @@ def test_dense_only_stage_with_moe_stage_passes_roles(tmp_path):
     assert sorted(json.loads(out.read_text())["ranks"]) == ["0", "2"]
 
 
-def test_device_bound_and_groups_split(tmp_path):
-    out = tmp_path / "dry.json"
-    proc = dry_run(EP2 + ["--ranks", "all", "--json", str(out)])
+@pytest.fixture(scope="module")
+def ep2_run(tmp_path_factory):
+    """moe_tiny at ep 2 on 2 ranks, every rank, every micro-batch: (its process, its JSON report)."""
+    out = tmp_path_factory.mktemp("ep2") / "dry.json"
+    proc = dry_run(EP2 + ["--ranks", "all", "--json", str(out)], LOOP_CALLS)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for r, rank in json.loads(out.read_text())["ranks"].items():
+    return proc, json.loads(out.read_text())["ranks"]
+
+
+def test_device_bound_and_groups_split(ep2_run):
+    for r, rank in ep2_run[1].items():
         assert rank["bound_device"] == f"cuda:{r}"  # DeepSpeed's device_id: LOCAL_RANK's GPU
         assert rank["group_creations"]["split"] >= 1  # the mesh's groups: communicator splits
 
@@ -157,17 +169,16 @@ def test_split_of_other_groups_on_one_rank_fails():
     assert "rank 1 creates a split of group [0, 1] into [[0, 1]]" in line and "moe_trainer/parallel/mesh.py" in line
 
 
-def test_functional_collectives_are_checked_and_counted_as_eager(tmp_path):
-    eager, functional = tmp_path / "eager.json", tmp_path / "functional.json"
-    assert dry_run(EP2 + ["--ranks", "all", "--json", str(eager)]).returncode == 0
-    proc = dry_run(EP2 + ["--ranks", "all", "--json", str(functional)], FUNCTIONAL_PATH)
+def test_functional_collectives_are_checked_and_counted_as_eager(ep2_run, tmp_path):
+    out = tmp_path / "functional.json"
+    proc = dry_run(EP2 + ["--ranks", "all", "--json", str(out)], FUNCTIONAL_PATH)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = (json.loads(p.read_text())["ranks"] for p in (eager, functional))
-    for r in a:
-        counts = a[r]["collectives"]
-        assert counts.get("ep.all_to_all_single", 0) > 0
-        assert b[r]["collectives"] == counts  # the functional all-to-alls recorded as the eager ones
-        assert b[r]["intra_node_bytes"] == a[r]["intra_node_bytes"]
+    eager, functional = ep2_run[1], json.loads(out.read_text())["ranks"]
+    for r, rank in eager.items():
+        assert rank["collectives"].get("ep.all_to_all_single", 0) > 0
+        # the functional all-to-alls recorded as the eager ones, with their bytes
+        assert functional[r]["collectives"] == rank["collectives"]
+        assert functional[r]["intra_node_bytes"] == rank["intra_node_bytes"]
 
 
 def test_extra_functional_collective_fails():
@@ -186,31 +197,24 @@ def test_extra_coalesced_collective_fails():
 
 def test_batched_transfers_need_the_rank_device_current():
     proc = dry_run(["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "2", "--set",
-                    "parallel.pp=2", "--ranks", "all"], WRONG_CURRENT_DEVICE)
+                    "parallel.pp=2", "--ranks", "all", "--micro-batches", "all"], WRONG_CURRENT_DEVICE)
     assert proc.returncode == 1, proc.stderr[-3000:]
     line = error_line(proc)
     assert "batched point-to-point needs the rank's device set current" in line and "rank 1" in line
 
 
-def test_two_loop_steps_with_every_check(tmp_path):
-    out = tmp_path / "dry.json"
-    proc = dry_run(["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "2", "--ranks", "all",
-                    "--micro-batches", "all", "--json", str(out)], LOOP_CALLS)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    loop = [line for line in proc.stderr.splitlines() if line.startswith("LOOP ")][-1]
-    # two ranks, two steps each: every step checked its replicas, logged (expert metrics) and evaluated;
-    # the second step of each rank named stragglers (the first pays one-time costs)
-    assert loop == ("LOOP check_replicas=4 evaluate_sources=4 metrics=4 name_stragglers=2 train_step=4"), loop
-    report = json.loads(out.read_text())["ranks"]
-    # the report still counts one training step: world 2, 4 micro-batches, the loss reduction's world all-reduce
-    assert all(rank["micro_batches_run"] == [4] for rank in report.values())
+def test_two_loop_steps_with_every_check(ep2_run):
+    loop = [line for line in ep2_run[0].stderr.splitlines() if line.startswith("LOOP ")][-1]
+    # two ranks, two steps each: every step checked the replicas, logged (expert metrics) and evaluated;
+    # the second step of each rank named stragglers (a process's first step pays its one-time costs)
+    assert loop == "LOOP check_replicas=4 evaluate_sources=4 metrics=4 name_stragglers=2 train_step=4", loop
+    # the report counts the set-up and one training step of the schedule's 4 micro-batches
+    for rank in ep2_run[1].values():
+        assert rank["micro_batches_run"] == [4]
 
 
-def test_skewed_split_sizes_with_zeros(tmp_path):
-    out = tmp_path / "dry.json"
-    proc = dry_run(EP2 + ["--ranks", "all", "--json", str(out)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for rank in json.loads(out.read_text())["ranks"].values():
+def test_skewed_split_sizes_with_zeros(ep2_run):
+    for rank in ep2_run[1].values():
         assert rank["split_sizes"]["splits"] > 0 and rank["split_sizes"]["zero"] > 0
 
 
