@@ -29,7 +29,7 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch

@@ -38,7 +38,6 @@ from pathlib import Path
 os.environ["DS_ACCELERATOR"] = "cuda"  # before deepspeed is imported: its CUDA accelerator, NCCL's path
 
 import torch
-import torch.distributed as dist
 
 from .fake_cuda import (
     CudaShim,
@@ -51,17 +50,11 @@ from .fake_cuda import (
     quiet_fake_tensor_logs,
 )
 from .crossrank import check_all
+from .loop import LOOP, STEPS, fake_backend, run_loop
 from .nccl_rules import NcclRules, RuleError
 from .routing import ROUTINGS, routed_dispatch
 
 MODES = ("all", "roles")
-STEPS = 2  # loop steps a rank runs: the second is a steady step (a straggler check needs one before it)
-# the loop's checks and observers at every step, so their collectives run under the rules too
-LOOP = ["train.log_every=1", "train.eval_every=1", "train.eval_batches=1", "train.replica_check_every=1",
-        f"train.stop_at_step={STEPS}",
-        "metrics.tensorboard=false"]  # rank 0's event files: no collective, and no values to histogram
-
-
 class DryRunError(RuntimeError):
     """Bad input, or a failure the dry run found: one sentence."""
 
@@ -214,50 +207,6 @@ def fake_checkpoint_bytes(written: dict, covered: bool = True):
         checkpoint._covered, torch.set_rng_state = base_covered, base_rng
 
 
-@contextlib.contextmanager
-def fake_backend(rank: int, world: int, device: torch.device, bound: list):
-    """torch.distributed.init_process_group, as DeepSpeed calls it for NCCL (with device_id, the rank's
-    GPU, on a CUDA accelerator), made with torch's fake backend at this rank and world on a HashStore
-    (the collective watch clones it). The device DeepSpeed bound goes into `bound`; it must be the
-    rank's own (NCCL's communicators live on it)."""
-    base = dist.init_process_group
-
-    def init(backend=None, init_method=None, timeout=None, world_size=-1, rank_=-1, store=None,
-             group_name="", pg_options=None, device_id=None, **kwargs):
-        if device_id is not None and torch.device(device_id) != device:
-            raise RuleError(f"NCCL rule broken (a rank binds its own GPU): rank {rank} binds {device_id} to its "
-                            f"process group, not {device}.")
-        bound.append(device_id)
-        base("fake", store=dist.HashStore(), rank=rank, world_size=world, device_id=device_id,
-             **({"timeout": timeout} if timeout is not None else {}))
-
-    dist.init_process_group = init
-    try:
-        yield
-    finally:
-        dist.init_process_group = base
-
-
-def run_loop(trainer, mark, save) -> None:
-    """trainer.train() for STEPS steps (train.stop_at_step), its console lines kept out of the report;
-    `mark()` at each training step's start and end, `save()` in place of its checkpoint."""
-    import io
-    base_step = trainer.train_step
-
-    def train_step():
-        mark()
-        try:
-            return base_step()
-        finally:
-            mark()
-
-    trainer.train_step, trainer.save_checkpoint = train_step, save
-    with contextlib.redirect_stdout(io.StringIO()):
-        trainer.train()
-    if trainer.step != STEPS:
-        raise DryRunError(f"rank {trainer.mesh.rank}: the training loop stopped at step {trainer.step}, not {STEPS}.")
-
-
 # ----------------------------------------------------------------------------- one rank
 
 class Simulator:
@@ -398,7 +347,8 @@ class Simulator:
                 trainer_module.materialize = materialize_without_init(
                     device, torch.bfloat16 if cfg.train.dtype in ("bf16", "auto") else None)
                 trainer = make_trainer(cfg, layout)
-                run_loop(trainer, mark, lambda: (mark(), self.save(trainer)))
+                if run_loop(trainer, mark, lambda: (mark(), self.save(trainer))) != STEPS:
+                    raise DryRunError(f"rank {rank}: the training loop stopped at step {trainer.step}, not {STEPS}.")
             if keep:
                 self.kept[rank] = (trainer, mode)
             kinds = {pg: kind for kind, pg in reversed(list(built[0].groups.items())) if pg is not None}
