@@ -83,8 +83,8 @@ class RankLog:
 
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base",
                "reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter", "all_to_all_single", "all_to_all",
-               "barrier", "all_gather_object", "broadcast_object_list", "gather", "scatter",
-               "all_reduce_coalesced", "all_gather_coalesced")  # the coalesced calls: one NCCL group call each
+               "barrier", "all_gather_object", "broadcast_object_list", "gather", "scatter")
+COALESCED = ("all_reduce_coalesced", "all_gather_coalesced")  # one NCCL group call each
 P2P = ("send", "recv", "isend", "irecv")
 # torch.distributed._functional_collectives' ops (the compiled path's) -> the c10d call each one is
 FUNCTIONAL = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "broadcast": "broadcast",
@@ -131,7 +131,8 @@ class NcclRules:
         check this rank's group creations against the first simulated rank's."""
         log = self.logs[self.rank]
         for call in log.calls:
-            call.kind = "world" if call.pg is None or len(call.group) == self.world else kinds.get(call.pg, "other")
+            world = call.pg is None or call.pg == c10d._get_default_group()  # also when passed as group.WORLD
+            call.kind = "world" if world else kinds.get(call.pg, "other")
             call.pg = None
         self.check_creations(log)
         self.rank = None
@@ -144,6 +145,8 @@ class NcclRules:
             self._wrap(name, self._collective)
         for name in P2P:
             self._wrap(name, self._point_to_point)
+        for name in COALESCED:  # the fake backend has no coalesced kernels: run as their single calls
+            self._wrap(name, self._coalesced, replace=True)
         self._wrap("batch_isend_irecv", self._batch)
         self._wrap("new_group", self._new_group)
         self._wrap("split_group", self._split_group, replace=True)
@@ -202,6 +205,22 @@ class NcclRules:
         first = tensors[-1] if name in ("all_gather", "all_to_all") and tensors else (tensors[0] if tensors else None)
         root = bound.get("src", bound.get("dst"))
         self._record(name, group, ranks, tensors, first, _redop(bound.get("op")), root, bound, collective_site())
+
+    def _coalesced(self, name: str, base, args, kwargs):
+        """all_reduce_coalesced / all_gather_coalesced: checked and recorded as one call, then run as the
+        single calls they coalesce (the fake backend has no coalesced kernels)."""
+        if self.rank is not None and getattr(self._depth, "n", 0) == 1:
+            self._collective(name, base, args, kwargs)
+        bound = _bind(base, args, kwargs)
+        group, async_op = bound.get("group"), bound.get("async_op", False)
+        single = c10d.all_reduce.__wrapped__ if name == "all_reduce_coalesced" else c10d.all_gather.__wrapped__
+        if name == "all_reduce_coalesced":
+            works = [single(t, op=bound.get("op", dist.ReduceOp.SUM), group=group, async_op=async_op)
+                     for t in bound["tensors"]]
+        else:
+            works = [single(out, t, group=group, async_op=async_op)
+                     for out, t in zip(bound["output_tensor_lists"], bound["input_tensor_list"])]
+        return works[-1] if async_op and works else None
 
     def functional(self, func, args, kwargs) -> None:
         """A functional collective (torch.distributed._functional_collectives: the compiled path's,
