@@ -55,6 +55,8 @@ from .nccl_rules import NcclRules, RuleError
 from .routing import ROUTINGS, routed_dispatch
 
 MODES = ("all", "roles")
+
+
 class DryRunError(RuntimeError):
     """Bad input, or a failure the dry run found: one sentence."""
 
@@ -74,7 +76,7 @@ class RankReport:
     micro_batches_run: list  # the schedule's count, or the two shorter runs extrapolated from
     bound_device: str = ""  # the device its process group was bound to (DeepSpeed's device_id)
     group_creations: dict = field(default_factory=dict)  # "split" / "new_group" -> how many it entered
-    split_sizes: dict = field(default_factory=dict)  # EP split sizes drawn ("drawn") and how many were 0 ("zero")
+    split_sizes: dict = field(default_factory=dict)  # EP split sizes drawn ("splits"), how many were 0 ("zero")
 
 
     def as_json(self) -> dict:
