@@ -6,7 +6,7 @@
   python tools/dry_run.py --config configs/deepseek_v3_671b.yaml --world 2048 --gpus-per-node 8 --ranks roles
 
 For each chosen rank it builds the Trainer (model, parallelism, DeepSpeed's engine and ZeRO-1, the
-pipeline executor), trains one optimizer step, saves a checkpoint and reloads it, with every tensor
+pipeline executor), runs two steps of its loop, saves a checkpoint and reloads it, with every tensor
 a fake CUDA tensor (shapes, dtypes and devices; no data) and torch's fake process group behind
 NCCL's rules. The logic lives in moe_trainer/parallel/dryrun; this file only parses arguments.
 """
@@ -23,21 +23,25 @@ if str(ROOT) not in sys.path:
 
 EPILOG = """\
 --ranks:
-  all       every rank; also checks that the members of each group enter the same collectives in
-            the same order and that every send meets its receive
+  all       every rank
   roles     one rank of each role (pipeline stage, so first/last and MoE or not; tp rank 0 or not),
-            the rest read by symmetry (default)
+            each standing for the ranks of its role (default)
   R1,R2,..  these ranks, and rank 0 (it writes the checkpoint's state.json that every reload reads)
+Each rank binds its GPU (DeepSpeed's device_id), builds its groups by communicator splits, and runs
+two steps of the Trainer's loop (replica check, logging, straggler naming, expert metrics and
+evaluation at every step) and its checkpoint; the checkpoint is then reloaded.
 
 it fails (exit 1, one sentence naming the rule, the rank and the call site) on: a tensor not on the
-rank's CUDA device in a collective or transfer; a group created by some ranks only or out of order;
-collective sequences that differ between members of a group (--ranks all); sends and receives that
-do not pair (--ranks all); a device mismatch, shape or alignment error inside an op.
+rank's CUDA device in a collective, functional collective or transfer; a group created or split by
+some ranks only, differently or out of order; collective sequences that differ between the members
+of a group, compared across the roles that share it; sends and receives that do not pair; batched
+transfers without the rank's device current; a device mismatch, shape or alignment error inside an op.
 
 report: per rank, the peak fake-CUDA bytes beside the planner's estimate for its stage
 (tools/plan.py), the bytes it sends inside and across nodes (node = rank // --gpus-per-node), and
-its collectives counted by group and op. --json OUT writes {"world", "gpus_per_node", "groups":
-every group of the world by kind, "ranks": {"<rank>": {"peak_bytes", "plan_bytes",
+its collectives counted by group and op (the set-up, one training step, the checkpoint), its bound
+device and group splits, and the EP split sizes drawn. --json OUT writes {"world", "gpus_per_node",
+"groups": every group of the world by kind, "ranks": {"<rank>": {"peak_bytes", "plan_bytes",
 "intra_node_bytes", "inter_node_bytes", ...}}} for the ranks that ran.
 
 capacity: a rank whose peak is over --gpu-memory-gb (default 80, or the size of the first CUDA card
@@ -57,7 +61,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv):
-    p = _Parser(prog="tools/dry_run.py", description="Build, train one step, save and reload any layout at any "
+    p = _Parser(prog="tools/dry_run.py", description="Build, train two steps, save and reload any layout at any "
                 "world size in one process, on fake CUDA tensors under NCCL's rules.", epilog=EPILOG,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML run config (e.g. configs/moe_1b_8gpu.yaml)")
@@ -74,6 +78,9 @@ def parse_args(argv):
     p.add_argument("--gpu-memory-gb", type=float, default=None,
                    help="memory per GPU in GB = 1e9 bytes; a rank that peaks above it fails the run (default: "
                    "the first CUDA card's size when torch sees one, else 80)")
+    p.add_argument("--routing", default="skewed", choices=("skewed", "balanced"),
+                   help="the EP split sizes (fake tensors carry no routing): skewed (default), a seeded skewed "
+                   "routing with one EP rank receiving nothing; balanced, the planner's expectation")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT")
     p.add_argument("--from-plan", metavar="PLAN.json", help="the layout `tools/plan.py --search --json PLAN.json` "
                    "found best: its --set overrides come first, yours after them")
@@ -111,7 +118,8 @@ def main(argv=None) -> int:
     from moe_trainer.parallel.dryrun.capacity import capacity_line, verdict
     from moe_trainer.parallel.dryrun.runner import DryRunError, RuleError, Simulator, choose_ranks, format_report
     try:
-        sim = Simulator(args.config, args.overrides, args.world, args.gpus_per_node, args.micro_batches)
+        sim = Simulator(args.config, args.overrides, args.world, args.gpus_per_node, args.micro_batches,
+                        args.routing)
         ranks = choose_ranks(args.ranks, sim.layout, args.world)
     except DryRunError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -329,9 +329,12 @@ class FakeCudaMode(FakeTensorMode):
     of a value returns 0 of its dtype and is counted per call site (`host_reads`), and pinning
     host memory is a no-op. Real CPU tensors (the data's token ids) become fake on first use."""
 
-    def __init__(self):
+    def __init__(self, on_functional_collective: Callable | None = None):
         super().__init__(allow_non_fake_inputs=True)
         self.host_reads: Counter = Counter()
+        # functional collectives (the compiled path's) never reach torch.distributed's functions: their
+        # ops run as meta kernels here, so the rules see them through this hook (func, args, kwargs)
+        self.on_functional_collective = on_functional_collective
 
     # torch.tensor(data, device="cuda") builds on the host and lifts to a fake CUDA tensor (the mode
     # does so itself only when torch.cuda is unavailable, which the shim makes it not)
@@ -344,6 +347,8 @@ class FakeCudaMode(FakeTensorMode):
             return False if dtype == torch.bool else (0.0 if dtype.is_floating_point else 0)
         if func in _PIN:
             return args[0] if func is _PIN[0] else False
+        if self.on_functional_collective is not None and getattr(func, "namespace", "") == "_c10d_functional":
+            self.on_functional_collective(func, args, kwargs)
         meter = _METER[0] if _METER else None
         if meter is None:
             return super().dispatch(func, types, args, kwargs)

@@ -1,10 +1,14 @@
 """One simulated rank at a time: the real Trainer built on fake CUDA tensors under NCCL's rules,
-one optimizer step (every micro-batch of the schedule), a checkpoint saved and reloaded.
+two steps of its training loop (every micro-batch of the schedule), a checkpoint saved and reloaded.
 
-The code that runs is the real run's: moe_trainer.train.make_trainer (device, kernels, the process
-group, the mesh), the Trainer (model, parallelize, pipeline stage, DeepSpeed's engine and ZeRO-1,
-the pipeline executor), the EP dispatcher and checkpoint.save / checkpoint.load. What the dry run
-puts in their place, and why, is all here:
+The code that runs is the real run's: moe_trainer.train.make_trainer (device, kernels, DeepSpeed's
+init_process_group with the rank's device bound, so the mesh's groups are communicator splits), the
+Trainer (model, parallelize, pipeline stage, DeepSpeed's engine and ZeRO-1, the pipeline executor),
+its loop `Trainer.train` for two steps with the replica check, logging (straggler naming, expert
+metrics) and evaluation at every step, the EP dispatcher and checkpoint.save / checkpoint.load.
+What the dry run puts in their place, and why, is all here:
+- the process group: torch's fake backend behind nccl_rules.NcclRules, made where DeepSpeed makes
+  NCCL's (`fake_backend`), with DeepSpeed's device_id;
 - run_dir.check_shared: met by construction (`one_run_directory`);
 - `materialize` (models/init.py): uninitialised fake tensors on the rank's device (fake_cuda.py);
 - SDPA: the memory-efficient kernel's op, output and log-sum-exp only (`fused_attention`), as a GPU
@@ -13,13 +17,14 @@ puts in their place, and why, is all here:
   build's composite with its fp32 copies;
 - the optimizer's state (Adam's moments), made before the step as every later step finds it
   (`capacity.prime_optimizer_state`), so the peak is a steady step's, not the first's;
-- the EP dispatcher's one host read, the split sizes: the balanced expectation
-  (`balanced_splits`), since fake tensors carry no routing;
+- the EP dispatcher's one host read, the split sizes: a seeded skewed routing, some sizes zero, or
+  the balanced expectation (routing.py), since fake tensors carry no routing;
 - the checkpoint's bytes: each part file gets its real header and a hole the size of its data
   (a sparse file), its digest is the header's; a reload reads the headers, runs the box arithmetic
   and takes fake tensors of each stored shape. Every simulated rank reloads once all have saved;
   with some ranks only, the others' parts are absent, so the whole-model key check and the
-  coverage check are off (partial_checkpoint).
+  coverage check are off (partial_checkpoint). The loop's own checkpoint at its last step is this
+  save (`Simulator.save`: the simulated ranks share one directory, one after another).
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -36,7 +42,6 @@ from pathlib import Path
 os.environ["DS_ACCELERATOR"] = "cuda"  # before deepspeed is imported: its CUDA accelerator, NCCL's path
 
 import torch
-import torch.distributed as dist
 
 from .fake_cuda import (
     CudaShim,
@@ -49,7 +54,10 @@ from .fake_cuda import (
     quiet_fake_tensor_logs,
 )
 from .capacity import SiteMeter, prime_optimizer_state
+from .crossrank import check_all
+from .loop import LOOP, STEPS, fake_backend, run_loop
 from .nccl_rules import NcclRules, RuleError
+from .routing import ROUTINGS, routed_dispatch
 
 MODES = ("all", "roles")
 
@@ -72,6 +80,10 @@ class RankReport:
     seconds: float
     micro_batches_run: list  # the schedule's count, or the two shorter runs extrapolated from
     peak_sites: list = field(default_factory=list)  # [{site, bytes, tensors}] live at the peak, largest first
+    bound_device: str = ""  # the device its process group was bound to (DeepSpeed's device_id)
+    group_creations: dict = field(default_factory=dict)  # "split" / "new_group" -> how many it entered
+    split_sizes: dict = field(default_factory=dict)  # EP split sizes drawn ("splits"), how many were 0 ("zero")
+
 
     def as_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "rank"}
@@ -122,53 +134,6 @@ def choose_ranks(spec: str, layout, world: int) -> list[int]:
 
 # ----------------------------------------------------------------------------- stand-ins (see the docstring)
 
-def balanced_splits(dispatcher, n_tokens: int, k: int, count: int) -> list[list[int]]:
-    """The split sizes a balanced routing gives, in the form AllToAllDispatcher._splits returns.
-    Plain dispatch (2 vectors): n * k copies sent, spread evenly over the ep ranks, and as many
-    received. Dedup (3 vectors): token rows sent per rank = n * (expected ranks a token reaches) /
-    ep (plan.expected_remote_ranks), received alike, and n * k / ep (row, expert) pairs received."""
-    ep = dispatcher.ep
-
-    def even(total: int) -> list[int]:
-        return [total // ep + (1 if i < total % ep else 0) for i in range(ep)]
-
-    copies = even(n_tokens * k)
-    if count == 2:
-        return [copies, copies]
-    from ...plan import expected_remote_ranks
-    m = dispatcher.model_cfg
-    hits = expected_remote_ranks(m.n_routed_experts, k, ep, m.n_group, m.topk_group)
-    rows = even(min(n_tokens * ep, round(n_tokens * hits)))
-    return [rows, rows, [max(a, b) for a, b in zip(copies, rows)]]
-
-
-@contextlib.contextmanager
-def balanced_dispatch(model_cfg):
-    """AllToAllDispatcher's split-size read returns balanced_splits for the tokens in hand."""
-    from .. import expert
-    cls = expert.AllToAllDispatcher
-    base_dispatch, base_splits = cls.dispatch, cls._splits
-    current: list = []
-
-    def dispatch(self, x, topk_idx, topk_weight):
-        self.model_cfg = model_cfg
-        current.append((self, *topk_idx.shape))
-        try:
-            return base_dispatch(self, x, topk_idx, topk_weight)
-        finally:
-            current.pop()
-
-    def splits(*per_rank):
-        me, n, k = current[-1]
-        return balanced_splits(me, n, k, len(per_rank))
-
-    cls.dispatch, cls._splits = dispatch, staticmethod(splits)
-    try:
-        yield
-    finally:
-        cls.dispatch, cls._splits = base_dispatch, base_splits
-
-
 def write_sparse_safetensors(path, tensors, metadata=None) -> str:
     """tensor_file.write_safetensors without the bytes: the real header, then a hole as long as the
     data. Returns the header's sha256 (the data is not there to hash)."""
@@ -217,12 +182,16 @@ def partial_checkpoint():
 
 @contextlib.contextmanager
 def fake_checkpoint_bytes(written: dict, covered: bool = True):
-    """checkpoint.py writes sparse parts (digests into `written`) and reads fake tensors back;
+    """checkpoint.py writes sparse parts (digests into `written`) and reads fake tensors back, and the
+    expert-load files of the log steps are sparse too;
     covered=False: a block need not be covered by the parts present (they are some ranks' only)."""
     from ... import checkpoint
     from ...tensor_file import TensorFile
     base_write, base_get, base_covered, base_rng = (checkpoint.write_safetensors, TensorFile.get,
                                                     checkpoint._covered, torch.set_rng_state)
+
+    import safetensors.torch as expert_files  # expert_load/files.py imports save_file from it at each write
+    base_save_file = expert_files.save_file
 
     def write(path, tensors, metadata=None):
         written[Path(path).name] = write_sparse_safetensors(path, tensors, metadata)
@@ -233,6 +202,8 @@ def fake_checkpoint_bytes(written: dict, covered: bool = True):
         return torch.empty(shape, dtype=dtype)
 
     checkpoint.write_safetensors, TensorFile.get = write, get
+    # the expert-load file of a log step (expert_load/files.py): its header, the counts a hole too
+    expert_files.save_file = lambda tensors, path, metadata=None: write_sparse_safetensors(path, tensors, metadata)
     if not covered:
         checkpoint._covered = lambda pieces, offsets, sizes: True
     torch.set_rng_state = lambda state: None
@@ -240,6 +211,7 @@ def fake_checkpoint_bytes(written: dict, covered: bool = True):
         yield
     finally:
         checkpoint.write_safetensors, TensorFile.get = base_write, base_get
+        expert_files.save_file = base_save_file
         checkpoint._covered, torch.set_rng_state = base_covered, base_rng
 
 
@@ -249,7 +221,7 @@ class Simulator:
     """Runs the chosen ranks of one config and world in this process, one after another."""
 
     def __init__(self, config: str, overrides: list[str], world: int, gpus_per_node: int,
-                 micro_batches: str = "auto"):
+                 micro_batches: str = "auto", routing: str = "skewed"):
         from ...config import ConfigError, validate_layout
         from ...resolve import load_config
         if world < 1 or gpus_per_node < 1:
@@ -258,12 +230,14 @@ class Simulator:
             raise DryRunError(f"--gpus-per-node {gpus_per_node} must divide --world {world}.")
         if micro_batches not in ("auto", "all"):
             raise DryRunError(f"--micro-batches must be auto or all, not {micro_batches!r}.")
+        if routing not in ROUTINGS:
+            raise DryRunError(f"--routing must be one of {', '.join(ROUTINGS)}, not {routing!r}.")
+        self.routing = routing
         self.config, self.world, self.gpus_per_node = config, world, min(gpus_per_node, world)
         self.micro_batches = micro_batches
         self.workdir = Path(tempfile.mkdtemp(prefix="moe_trainer_dry_run_"))
-        self.overrides = list(overrides) + [f"run.out_dir={self.workdir / 'run'}", "train.eval_every=0",
-                                            "train.checkpoint_every=0", "parallel.cpu_alltoall=gloo",
-                                            "parallel.cpu_p2p=gloo"]
+        self.overrides = list(overrides) + [f"run.out_dir={self.workdir / 'run'}", "train.checkpoint_every=0",
+                                            "parallel.cpu_alltoall=gloo", "parallel.cpu_p2p=gloo"] + LOOP
         try:
             self.base_cfg = load_config(config, self.overrides)
             self.layout = validate_layout(self.base_cfg, world, self.gpus_per_node)
@@ -275,6 +249,8 @@ class Simulator:
         self.written: dict = {}  # part file -> the digest its writer returned
         self.kept: dict = {}  # rank -> (trainer, its fake mode), reloaded once every part is written
         self.checkpoint_dir: Path | None = None
+        self.bound: list = []  # the device each rank's process group was bound to
+        self.splits: dict = {}  # rank -> {"splits": sizes drawn, "zero": of them zero}
         self._prepare_process()
 
     def _prepare_process(self) -> None:
@@ -323,8 +299,11 @@ class Simulator:
             k1, k2 = sizes
             m = self.layout.grad_accum
             per_step = self.base_cfg.train.global_batch_size // m
+            probe = self.workdir / "probe"  # its own run directory: the kept pass starts from a fresh one
             _, step1, _, peak1 = self._run_pass(
-                rank, self.overrides + [f"train.global_batch_size={per_step * k1}", "parallel.micro_batches=0"], keep=False)
+                rank, self.overrides + [f"train.global_batch_size={per_step * k1}", "parallel.micro_batches=0",
+                                        f"run.out_dir={probe}"], keep=False)
+            shutil.rmtree(probe, ignore_errors=True)
             built, step2, save, peak2 = self._run_pass(
                 rank, self.overrides + [f"train.global_batch_size={per_step * k2}", "parallel.micro_batches=0"], keep=True)
             step, peak = extrapolate(step1, step2, k1, k2, m, rank), max(peak1, peak2)
@@ -334,11 +313,14 @@ class Simulator:
                           traffic["intra_node_bytes"], traffic["inter_node_bytes"], traffic["collectives"],
                           traffic["host_reads"], time.perf_counter() - t0,
                           list(sizes) if sizes else [self.layout.grad_accum],
-                          [site.as_json() for site in self.meter.take_peak_sites()])
+                          peak_sites=[site.as_json() for site in self.meter.take_peak_sites()],
+                          bound_device=str(self.bound[-1]), group_creations=self.rules.creation_counts(rank),
+                          split_sizes=dict(self.splits[rank]))
 
     def _run_pass(self, rank: int, overrides: list[str], keep: bool):
-        """Builds rank `rank`'s trainer from `overrides`, trains one step and, with `keep`, saves it and
-        keeps it for the reload. Returns (its mesh, its traffic, its peak bytes, its host reads)."""
+        """Builds rank `rank`'s trainer from `overrides`, runs STEPS steps of its loop and its checkpoint
+        at the last, and with `keep` keeps it for the reload. Returns (its mesh, the traffic of its set-up
+        and its last training step, the checkpoint's traffic, its peak bytes)."""
         from ... import trainer as trainer_module
         from ...config import validate_layout
         from ...resolve import load_config
@@ -354,7 +336,7 @@ class Simulator:
         layout = validate_layout(cfg, self.world, self.gpus_per_node)
         gc.collect()  # earlier ranks' garbage is freed now, not inside this rank's count
         self.meter.reset()
-        self.rules.begin_rank(rank)
+        log = self.rules.begin_rank(rank)
         device = torch.device("cuda", rank % self.gpus_per_node)
         built: list = []
         base_build = mesh_module.build_mesh
@@ -363,39 +345,49 @@ class Simulator:
             built.append(base_build(*args, **kwargs))
             return built[-1]
 
-        mode = FakeCudaMode()
-        base_materialize = trainer_module.materialize
-        dist.init_process_group("fake", store=dist.HashStore(),  # HashStore: the collective watch clones it
-                                rank=rank, world_size=self.world)
+        mode = FakeCudaMode(on_functional_collective=self.rules.functional)
+        marks: list = []  # (calls, transfers, host reads) so far, at each train_step's start and end
+
+        def mark():
+            marks.append((len(log.calls), len(log.p2p), sum(mode.host_reads.values())))
+
+        base_materialize, base_term = trainer_module.materialize, signal.getsignal(signal.SIGTERM)
+        self.splits[rank] = {}
         try:
             mesh_module.build_mesh = build_mesh
             with mode, fake_module_conversion(), fused_attention(), fused_rms_norm(), one_run_directory(), \
-                    balanced_dispatch(cfg.model), fake_checkpoint_bytes(self.written):
+                    fake_backend(rank, self.world, device, self.bound), fake_checkpoint_bytes(self.written), \
+                    routed_dispatch(cfg.model, self.routing, cfg.run.seed, self.splits[rank]):
                 trainer_module.materialize = materialize_without_init(
                     device, torch.bfloat16 if cfg.train.dtype in ("bf16", "auto") else None)
                 trainer = make_trainer(cfg, layout)
-                prime_optimizer_state(trainer.engine)  # the peak of a step after the first (capacity.py)
-                trainer.train_step()  # every micro-batch of the schedule, then the optimizer step
-                log = self.rules.logs[rank]
-                marks = len(log.calls), len(log.p2p), sum(mode.host_reads.values())
-                if keep:
-                    trainer.step = 1
-                    self.save(trainer)
+                prime_optimizer_state(trainer.engine)  # the first step's peak is a later step's (capacity.py)
+                if run_loop(trainer, mark, lambda: (mark(), self.save(trainer))) != STEPS:
+                    raise DryRunError(f"rank {rank}: the training loop stopped at step {trainer.step}, not {STEPS}.")
             if keep:
                 self.kept[rank] = (trainer, mode)
             kinds = {pg: kind for kind, pg in reversed(list(built[0].groups.items())) if pg is not None}
             kinds.update({pg: "self" for pg in getattr(mesh_module, "_SINGLE", {}).values()})
+            if built[0].single is not None:
+                kinds[built[0].single] = "self"
             self.rules.end_rank(kinds)
         finally:
             trainer_module.materialize = base_materialize
             mesh_module.build_mesh = base_build
-            self._teardown(mesh_module)
+            signal.signal(signal.SIGTERM, base_term)
+            with mode:  # its barrier's tensor is on the bound device
+                self._teardown(mesh_module)
         if not keep:
             del trainer
-        step = self.rules.traffic(rank, calls=slice(0, marks[0]), p2p=slice(0, marks[1]))
-        step["host_reads"] = marks[2]
-        save = self.rules.traffic(rank, calls=slice(marks[0], None), p2p=slice(marks[1], None))
-        save["host_reads"] = sum(mode.host_reads.values()) - marks[2]
+        reads = sum(mode.host_reads.values())
+        # reported: the set-up (before the first step), the last training step (steady: the optimizer's
+        # state exists), the checkpoint; the loop's checks, logging and evaluation run under the rules only
+        (c0, p0, h0), (c1, p1, h1), (c2, p2, h2), save_at = marks[0], marks[-3], marks[-2], marks[-1]
+        step = combine(self.rules.traffic(rank, calls=slice(0, c0), p2p=slice(0, p0)),
+                       self.rules.traffic(rank, calls=slice(c1, c2), p2p=slice(p1, p2)))
+        step["host_reads"] = h0 + h2 - h1
+        save = self.rules.traffic(rank, calls=slice(save_at[0], None), p2p=slice(save_at[1], None))
+        save["host_reads"] = reads - save_at[2]
         return built[0], step, save, self.meter.peak
 
     def save(self, trainer) -> None:
@@ -424,7 +416,7 @@ class Simulator:
                  for name, digest in sorted(self.written.items()) if (final / name).is_file()}
         state = final / "state.json"
         files[state.name] = {"bytes": state.stat().st_size, "sha256": checkpoint.sha256(state)}
-        manifest = {"step": 1, "world": self.world, "files": files}
+        manifest = {"step": STEPS, "world": self.world, "files": files}
         (final / checkpoint.MANIFEST).write_text(json.dumps(manifest, indent=1))
         problem = checkpoint.verify(final, read=("state.json",))
         if problem:
@@ -452,6 +444,14 @@ class Simulator:
             elif name.startswith("_") and name.endswith("_GROUP") and value is not None and not callable(value):
                 setattr(groups, name, None)
 
+    def check_across_ranks(self, ranks: list[int]) -> None:
+        """crossrank.check_all over the ranks that ran, each standing for every rank of its role."""
+        from ..mesh import coords, group_ranks
+        by_role = {role_of(self.layout, r, coords): r for r in sorted(ranks, reverse=True)}  # the lowest wins
+        stand_in = {r: r if r in ranks else by_role.get(role_of(self.layout, r, coords)) for r in range(self.world)}
+        check_all(self.rules.logs, {r: s for r, s in stand_in.items() if s is not None}, group_ranks(self.layout),
+                  self.world)
+
     def run(self, ranks: list[int], mode: str, progress=None) -> DryRun:
         from ..mesh import group_ranks
         groups = {k: v for k, v in group_ranks(self.layout).items() if k in ("tp", "cp", "pp", "ep", "edp", "dp")}
@@ -467,9 +467,7 @@ class Simulator:
                 if progress:
                     progress(out.ranks[r])
             complete = len(ranks) == self.world
-            if mode == "all" and complete:
-                self.rules.check_sequences()
-                self.rules.check_p2p()
+            self.check_across_ranks(ranks)
             self.reload_all(complete)
         finally:
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -531,6 +529,11 @@ def format_report(run: DryRun) -> str:
                      f"{rep.inter_node_bytes / 1e6:.1f} MB across nodes; {rep.host_reads} host reads; "
                      f"{rep.seconds:.1f} s{_probe_text(rep, run)}")
         lines.append(f"  collectives: {counts}")
+        made = rep.group_creations
+        lines.append(f"  process group bound to {rep.bound_device}; groups made by {made.get('split', 0)} communicator "
+                     f"splits and {made.get('new_group', 0)} new_group calls"
+                     + (f"; EP split sizes drawn {rep.split_sizes['splits']}, {rep.split_sizes['zero']} of them 0"
+                        if rep.split_sizes.get("splits") else ""))
     return "\n".join(lines)
 
 
