@@ -101,7 +101,7 @@ trainer_module.Trainer.train_step = train_step
 LOOP_CALLS = """
 import atexit, sys
 from collections import Counter
-from moe_trainer import trainer as trainer_module
+from moe_trainer import guards as guards_module, trainer as trainer_module
 from moe_trainer.expert_load import tracker
 calls = Counter()
 def counted(cls, name):
@@ -110,8 +110,10 @@ def counted(cls, name):
         calls[name] += 1
         return base(self, *args, **kwargs)
     setattr(cls, name, wrapper)
-for name in ("train_step", "check_replicas", "name_stragglers", "evaluate_sources"):
+for name in ("train_step", "evaluate_sources"):
     counted(trainer_module.Trainer, name)
+for name in ("check_replicas", "name_stragglers"):  # the fault guards, a component of the trainer
+    counted(guards_module.Guards, name)
 counted(tracker.ExpertLoadTracker, "metrics")
 atexit.register(lambda: print("LOOP " + " ".join(f"{k}={v}" for k, v in sorted(calls.items())), file=sys.stderr))
 """
