@@ -354,4 +354,7 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, counter: Optional[CommCo
             p.group_name = group_name
             p.expert_shard = (ep_rank, ep)  # checkpoint.py gathers / slices along dim 0
     model.deepspeed_moe_marker = _deepspeed_moe_marker(moe[0].n_experts, ep, group_name, mesh)
+    # on every rank now, not only where the engine finds the marker: a pipeline stage without experts
+    # still reduces the expert norm over these groups (zero.same_norm_collectives)
+    register_deepspeed_groups(mesh, group_name)
     return model
