@@ -31,7 +31,7 @@ from .expert_load.tracker import ExpertLoadTracker
 from .hf import load_initial_weights
 from .metrics import Interval, MetricSink, StepClock, peak_memory_gb, peak_tflops, train_flops_per_token
 from .models.init import materialize
-from .compile import compile_regions
+from .compile import compile_regions, forward_waits_timed
 from .models.registry import build_model
 from .noise_scale import MicroGradNorms, NoiseScale, ReducedGradNorm
 from .parallel.comm import (CommCounter, all_reduce_small, count_deepspeed_collectives, enable_shm_transport,
@@ -692,7 +692,9 @@ class Trainer:
         times = r["times"]
         waits = sum(s for kind, s in r["comm"].get("seconds", {}).items()
                     if not kind.endswith("_grad") and not kind.startswith("pp_"))
-        mine = torch.tensor([max(times.data + times.forward - waits, 0.0)], device=self.device)
+        # compiled at ep > 1 the waits are inside graphs, untimed: the forward is left out on every rank
+        forward = times.forward - waits if forward_waits_timed(self.cfg) else 0.0
+        mine = torch.tensor([max(times.data + forward, 0.0)], device=self.device)
         every = torch.empty(self.layout.world, device=self.device)
         dist.all_gather_into_tensor(every, mine)
         if not self.is_logger:

@@ -195,3 +195,17 @@ def test_moe_layer_at_ep2_is_one_graph_and_compiled_equals_eager():
             assert r["host_reads"] == [1], (rank, kind, r["host_reads"])
     assert results[1]["plain"]["zero_rows"] == [False, False, True]  # the skewed step reached rank 1 empty
 
+
+def test_a_slow_rank_compiled_at_ep2_is_named_not_its_expert_parallel_peer(tmp_path):
+    """Compiled at ep 2 the all-to-alls run inside the layers' graphs, where no clock is read: rank 0's
+    forward holds its waits for slow rank 1 (slow@2:1), and with nothing to subtract the two ranks
+    looked alike (before: no straggler named at all; with more EP groups, the slow rank's peers named
+    with it). The forward is left out of every rank's straggler time then (compile.forward_waits_timed):
+    rank 1 alone is named, as in eager (tests/test_faults.py)."""
+    from conftest import TINY, check, launch, read_metrics
+    out = tmp_path / "slow_compiled"
+    check(launch(2, out, TINY + ["train.max_steps=5", "parallel.ep=2", "train.compile=true",
+                                 "train.compile_backend=aot_eager", "debug.faults=[slow@2:1]"]))
+    slow = [r for r in read_metrics(out) if r.get("event") == "straggler"]
+    assert len([r for r in slow if r["rank"] == 1]) >= 3, slow  # judged at steps 2-5
+    assert not [r for r in slow if r["rank"] == 0], slow
