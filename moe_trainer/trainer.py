@@ -33,7 +33,7 @@ from .metrics import Interval, MetricSink, StepClock, peak_memory_gb, peak_tflop
 from .models.init import materialize
 from .compile import compile_regions, forward_waits_timed
 from .models.registry import build_model
-from .noise_scale import MicroGradNorms, NoiseScale, ReducedGradNorm
+from .noise_scale import NoiseScaleMeter
 from .parallel.comm import (CommCounter, all_reduce_small, count_deepspeed_collectives, enable_shm_transport,
                             route_deepspeed_collectives)
 from .parallel.context import shard_sequence
@@ -138,14 +138,12 @@ class Trainer:
         # (where edp and dpcp are one group, at ep 1, its traffic counts as dp)
         count_deepspeed_collectives(self.comm, {mesh.group("edp"): "edp", mesh.group("dpcp"): "dp"})
         self.executor = self._build_executor() if self.pipelined else None
-        # the critical batch size: per-micro-batch gradient norms vs the reduced one
-        # (one micro-batch per optimizer step has nothing to compare: no hooks then)
-        self.noise_batches = (t.micro_batch_size * t.seq_len / self.layout.cp, t.global_batch_size * t.seq_len)
-        self.micro_norms = (MicroGradNorms(self.engine.module, unscale=self.layout.grad_accum,
-                                           count_replicated=mesh.index("tp") == 0)
-                            if self.noise_batches[1] > self.noise_batches[0] else None)
-        self.reduced_norm = ReducedGradNorm(self.engine) if self.micro_norms is not None else None
-        self.noise = NoiseScale(alpha=cfg.metrics.noise_scale_alpha)
+        # the critical batch size, measured on the logged steps (metrics.noise_scale; noise_scale.py)
+        self.noise_meter = NoiseScaleMeter(self.engine, mesh, self.layout.grad_accum,
+                                           t.micro_batch_size * t.seq_len / self.layout.cp,
+                                           t.global_batch_size * t.seq_len, cfg.metrics.noise_scale_alpha,
+                                           cfg.metrics.noise_scale, every=t.log_every, last=t.max_steps)
+        self.noise = self.noise_meter.noise
         self.expert_load = ExpertLoadTracker(cfg.model, self.model, mesh, device)
         self.loss_keys = loss_keys(cfg.model)
         self.step = 0
@@ -491,6 +489,7 @@ class Trainer:
     def train_step(self) -> dict:
         spike = self.faults.lr_factor(self.step + 1) if self.faults else 1.0  # spike@S: a diverging update
         set_lr(self.engine, get_lr(self.step, self.cfg.train) * spike)
+        self.noise_meter.begin(self.step + 1)
         poison = self._poisoned()
         if self.pipelined:
             return self.pipeline_step(poison)
@@ -530,28 +529,11 @@ class Trainer:
     def finish_step(self, sums: dict, times: StepTimes, t0: float) -> dict:
         losses = self.reduce_losses({k: v / self.layout.grad_accum for k, v in sums.items()})
         skipped = not all(math.isfinite(v) for v in losses.values())
-        self.update_noise_scale(skipped)
+        self.noise_meter.end(skipped, self.device)
         expert = self.expert_load.update_bias(apply=not skipped)
         step_time = time.perf_counter() - t0  # after reduce_losses' host sync: the step's kernels are done
         return {"losses": losses, "times": times, "step_time": step_time, "expert": expert,
                 "comm": self.comm.reset(self.clock), "skipped": skipped}
-
-    def update_noise_scale(self, skipped: bool) -> None:
-        """McCandlish's simple estimate from the mean squared micro-batch gradient
-        norm (B_small = one micro-batch) and the reduced gradient's (B_big = the
-        global batch); expert-parallel experts are left out of both."""
-        if self.micro_norms is None:
-            return
-        small = self.micro_norms.take(self.layout.grad_accum).to(self.device)
-        if self.mesh.group("mp") is not None:  # partial norms of tp shards and pp stages add up
-            all_reduce_small(small, self.mesh.group("mp"))
-        if self.mesh.group("dpcp") is not None:
-            all_reduce_small(small, self.mesh.group("dpcp"))
-            small /= self.mesh.size("dpcp")
-        big = self.reduced_norm.take()
-        b_small, b_big = self.noise_batches
-        if big is not None and not skipped:
-            self.noise.update(float(small), float(big), b_small, b_big)  # host sync
 
     def pipeline_step(self, poison: bool) -> dict:
         if self.trace.enabled:
