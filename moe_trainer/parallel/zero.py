@@ -154,18 +154,21 @@ def _bf16_every_expert_group(opt, expert_groups: list[str]) -> None:
 
 
 def _zero_every_expert_group(opt, expert_groups: list[str]) -> None:
+    # the groups param_groups makes on a stage holding every kind of parameter, in its order; DeepSpeed
+    # drops empty ones, so a stage holds a prefix of them (every layer has norms: no_decay is never empty)
+    expected = ["decay", "no_decay", *expert_groups]
     names = [g["name"] for g in opt.optimizer.param_groups]
-    missing = [n for n in expert_groups if n not in names]
+    if names != expected[:len(names)]:
+        raise ValueError(f"the optimizer's param groups {names} are not a prefix of {expected} (param_groups)")
+    missing = expected[len(names):]
     if not missing:
         return
-    if names != [n for n in names if n not in expert_groups] + [n for n in expert_groups if n in names]:
-        raise ValueError(f"the optimizer's expert groups must come last (param_groups), got {names}")
     from deepspeed.runtime.utils import combine_grad_norm_groups
     inner = opt.scaled_global_norm
 
     def with_every_expert_group(norm_type=2):
         norm = inner(norm_type)
-        # an absent group's norm through the same dp and model-parallel all-reduces as the other stages':
+        # each absent group's norm through the same dp and model-parallel all-reduces as the other stages':
         # 0 from this stage, the other stages' experts summed in (the class's method: noise_scale records
         # the instance's, this rank's groups only)
         experts = [type(opt).get_grad_norm_direct(opt, [], [], norm_type) for _ in missing]
