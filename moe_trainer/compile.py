@@ -12,7 +12,8 @@ the routing changes. The host sync itself stays (a collective's split sizes live
 per layer and micro-batch, inside the graph. The bytes the all-to-alls move are counted by in-place
 adds to a host tensor (CommCounter.in_graph: Python ints there would be guarded, and every new total
 would recompile); their time is not measured inside a graph, so such runs log no
-`time.all_to_all_s`. Recomputation (parallel.recompute) inside a compiled
+`time.all_to_all_s`, and straggler naming leaves the forward out of every rank's time
+(forward_waits_timed). Recomputation (parallel.recompute) inside a compiled
 layer is the partitioner's: the MoE counters are updated once, in the forward graph. The layers are
 compiled with fullgraph=False all the same, so that a graph break from a future change degrades
 speed, not a run. `train.compile_backend: aot_eager` traces the same graphs and runs them op by op
@@ -30,6 +31,15 @@ from torch import nn
 from .models.deepseek_v3 import DecoderLayer
 from .models.lm import CausalLM, lm_loss
 from .models.llama3 import LlamaLayer
+
+
+def forward_waits_timed(cfg) -> bool:
+    """Are the forward's expert all-to-alls timed (CommCounter spans), so that straggler naming can take
+    a rank's waits for its slowest EP peer out of its forward time? Not under train.compile at ep > 1:
+    there they run inside the layers' graphs, where no clock is read, and the forward holds the waits.
+    The answer comes from the config, the same on every rank (pipeline stages without experts too), so
+    every rank's time is measured alike."""
+    return not (cfg.train.compile is True and cfg.parallel.ep > 1)  # (auto: resolved to a bool at start)
 
 
 def enable_unbacked_splits() -> None:

@@ -188,7 +188,10 @@ class DataConfig:
 class MetricsConfig:
     peak_tflops: Optional[float] = None  # per rank; None = measured (CPU) or datasheet (GPU)
     tensorboard: bool = True
-    noise_scale_alpha: float = 0.05  # EMA weight of the gradient-noise-scale estimate (critical batch size)
+    # the gradient noise scale (critical batch size), measured on the logged steps (train.log_every) only:
+    # each measurement re-reads every gradient per micro-batch; false: no hooks and no collectives at all
+    noise_scale: bool = True
+    noise_scale_alpha: float = 0.05  # EMA weight of each measurement of it
 
 
 @dataclass

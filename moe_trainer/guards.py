@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint
+from .compile import forward_waits_timed
 from .faults import (Faults, ReplicaCheck, SpikeGuard, owner_drift, owner_partitions, parse_faults, repair_from_owners,
                      straggler_events)
 from .parallel.comm import all_reduce_small
@@ -231,7 +232,9 @@ class Guards:
         times = r["times"]
         waits = sum(s for kind, s in r["comm"].get("seconds", {}).items()
                     if not kind.endswith("_grad") and not kind.startswith("pp_"))
-        mine = torch.tensor([max(times.data + times.forward - waits, 0.0)], device=tr.device)
+        # compiled at ep > 1 the waits are inside graphs, untimed: the forward is left out on every rank
+        forward = times.forward - waits if forward_waits_timed(tr.cfg) else 0.0
+        mine = torch.tensor([max(times.data + forward, 0.0)], device=tr.device)
         every = torch.empty(self.layout.world, device=tr.device)
         dist.all_gather_into_tensor(every, mine)
         if not self.is_logger:

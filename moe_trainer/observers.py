@@ -2,7 +2,8 @@
 
     open(step, resumed_from)   the metric sink (metrics.jsonl, TensorBoard), a restart row if restarted
     add_step(record)           every step: its time split, averaged over the steps to the next log step
-    noise_scale(skipped)       every step: the gradient noise scale's per-step estimate (collective)
+    begin_step(step)           before a step: the noise scale's hooks, on the steps that measure it
+    noise_scale(skipped)       after a step: the gradient noise scale's estimate (collective, on logged steps)
     step_record(...)           at log steps: throughput, MFU, losses, noise scale, expert load, bytes
     write(step, record)        rank 0 writes it (metrics.jsonl, TensorBoard, the console)
     event(step, row)           an event row (rollback, replica_mismatch, straggler, nan, ...)
@@ -19,8 +20,7 @@ import torch
 
 from .config import Config
 from .metrics import Interval, MetricSink, peak_memory_gb, train_flops_per_token
-from .noise_scale import MicroGradNorms, NoiseScale, ReducedGradNorm
-from .parallel.comm import all_reduce_small
+from .noise_scale import NoiseScaleMeter
 from .parallel.mesh import Mesh
 from .run_dir import RESTART_ENV
 
@@ -31,14 +31,12 @@ class Observers:
         self.cfg, self.mesh, self.layout, self.engine, self.device = cfg, mesh, mesh.layout, engine, device
         self.out_dir = Path(cfg.run.out_dir)
         self.is_logger = mesh.rank == 0
-        # the critical batch size: per-micro-batch gradient norms vs the reduced one
-        # (one micro-batch per optimizer step has nothing to compare: no hooks then)
-        self.noise_batches = (t.micro_batch_size * t.seq_len / self.layout.cp, t.global_batch_size * t.seq_len)
-        self.micro_norms = (MicroGradNorms(engine.module, unscale=self.layout.grad_accum,
-                                           count_replicated=mesh.index("tp") == 0)
-                            if self.noise_batches[1] > self.noise_batches[0] else None)
-        self.reduced_norm = ReducedGradNorm(engine) if self.micro_norms is not None else None
-        self.noise = NoiseScale(alpha=cfg.metrics.noise_scale_alpha)
+        # the critical batch size, measured on the logged steps (metrics.noise_scale; noise_scale.py)
+        self.noise_meter = NoiseScaleMeter(engine, mesh, self.layout.grad_accum,
+                                           t.micro_batch_size * t.seq_len / self.layout.cp,
+                                           t.global_batch_size * t.seq_len, cfg.metrics.noise_scale_alpha,
+                                           cfg.metrics.noise_scale, every=t.log_every, last=t.max_steps)
+        self.noise = self.noise_meter.noise
         self.expert_load = expert_load  # the trainer's ExpertLoadTracker: its summaries at log steps
         self.flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
         self.peak = peak
@@ -90,22 +88,14 @@ class Observers:
             out["time.exposed_all_to_all_s"] = a2a
         return out
 
+    def begin_step(self, step: int) -> None:
+        """Before step `step`'s first forward: the noise scale's hooks, on the steps that measure it."""
+        self.noise_meter.begin(step)
+
     def noise_scale(self, skipped: bool) -> None:
-        """McCandlish's simple estimate from the mean squared micro-batch gradient
-        norm (B_small = one micro-batch) and the reduced gradient's (B_big = the
-        global batch); expert-parallel experts are left out of both."""
-        if self.micro_norms is None:
-            return
-        small = self.micro_norms.take(self.layout.grad_accum).to(self.device)
-        if self.mesh.group("mp") is not None:  # partial norms of tp shards and pp stages add up
-            all_reduce_small(small, self.mesh.group("mp"))
-        if self.mesh.group("dpcp") is not None:
-            all_reduce_small(small, self.mesh.group("dpcp"))
-            small /= self.mesh.size("dpcp")
-        big = self.reduced_norm.take()
-        b_small, b_big = self.noise_batches
-        if big is not None and not skipped:
-            self.noise.update(float(small), float(big), b_small, b_big)  # host sync
+        """After the optimizer step: the gradient noise scale's estimate, on the steps that measure it
+        (collective then, on every rank alike)."""
+        self.noise_meter.end(skipped, self.device)
 
     # ------------------------------------------------------------------ log steps
     def step_record(self, r: dict, step: int, lr: float, source_samples: dict) -> dict:

@@ -102,7 +102,7 @@ class Trainer:
         # built on the meta device; parallelism slices it and this rank materialises only its
         # stage, its experts and its TP shards (models/init.py)
         self.clock = StepClock(device)  # phase and transfer times: CUDA events on a GPU
-        self.comm = CommCounter(self.clock)
+        self.comm = CommCounter(self.clock, device)  # its in-graph counts on the device (compiled layers)
         self.model = parallelize(build_model(cfg.model, cfg.run.seed, materialized=False), cfg, mesh, self.comm)
         shm = cfg.parallel.cpu_alltoall == "shm" and dist.is_initialized() and self.layout.world > 1
         if shm:
@@ -313,6 +313,7 @@ class Trainer:
     def train_step(self) -> dict:
         set_lr(self.engine, get_lr(self.step, self.cfg.train) * self.guards.lr_factor(self.step + 1))
         poison = self.guards.poisoned(self.step + 1)
+        self.observers.begin_step(self.step + 1)
         if self.pipelined:
             return self.pipeline_step(poison)
         t0 = time.perf_counter()

@@ -89,6 +89,32 @@ def test_short_training_compiled_by_region_equals_eager():
         assert counts[mode].sum() == counts["eager"].sum(), mode
 
 
+def _recording(graphs: list):
+    """aot_eager, keeping each graph dynamo hands it."""
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    return backend
+
+
+def host_reads(gm) -> int:
+    """Blocking reads of the layer's device memory by the host in a dynamo graph: one per copy to the
+    host (`.cpu()`, whose values items then read from host memory), one per item() of any other tensor
+    (on a GPU each is its own device-to-host copy and stream sync)."""
+    copies, reads = set(), 0
+    for node in gm.graph.nodes:
+        if node.op != "call_method" or node.target != "item":
+            continue
+        src = node.args[0]
+        while src.op == "call_function" and src.target.__name__ == "getitem":
+            src = src.args[0]
+        if src.op == "call_method" and src.target == "cpu":
+            copies.add(src)
+        else:
+            reads += 1
+    return reads + len(copies)
+
+
 def _ep2_worker(rank, world, port, results):
     """A MoE decoder layer at ep 2 (plain and per-node dedup dispatch) on gloo: one graph with no
     break, fullgraph, and the compiled forward + backward equal to eager over three routings, one
@@ -119,7 +145,8 @@ def _ep2_worker(rank, world, port, results):
         ex = torch._dynamo.explain(layers["compiled"])(h, cos, sin)
         layers["compiled"].mlp.dispatcher.counter.reset()
         torch._dynamo.utils.counters.clear()  # count the graphs of the compiled layer only
-        layers["compiled"].compile(backend="aot_eager", fullgraph=True)
+        graphs = []
+        layers["compiled"].compile(backend=_recording(graphs), fullgraph=True)
         errors, zero_rows = [], []
         for step in range(3):
             x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(10 * step + rank))
@@ -151,7 +178,7 @@ def _ep2_worker(rank, world, port, results):
         out["dedup" if dedup else "plain"] = {
             "graphs": (ex.graph_count, ex.graph_break_count), "reasons": [r.reason[:200] for r in ex.break_reasons],
             "errors": errors, "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
-            "zero_rows": zero_rows}
+            "zero_rows": zero_rows, "host_reads": [host_reads(gm) for gm in graphs]}
     results[rank] = out
     dist.destroy_process_group()
 
@@ -164,4 +191,21 @@ def test_moe_layer_at_ep2_is_one_graph_and_compiled_equals_eager():
             assert r["graphs"] == (1, 0), (rank, kind, r["reasons"])
             assert not r["errors"], (rank, kind, r["errors"])
             assert r["unique_graphs"] == 1, (rank, kind, "recompiled for a new routing")
+            # the split sizes: one copy to the host per layer call, as eager's .tolist() (was 2 ep item()s)
+            assert r["host_reads"] == [1], (rank, kind, r["host_reads"])
     assert results[1]["plain"]["zero_rows"] == [False, False, True]  # the skewed step reached rank 1 empty
+
+
+def test_a_slow_rank_compiled_at_ep2_is_named_not_its_expert_parallel_peer(tmp_path):
+    """Compiled at ep 2 the all-to-alls run inside the layers' graphs, where no clock is read: rank 0's
+    forward holds its waits for slow rank 1 (slow@2:1), and with nothing to subtract the two ranks
+    looked alike (before: no straggler named at all; with more EP groups, the slow rank's peers named
+    with it). The forward is left out of every rank's straggler time then (compile.forward_waits_timed):
+    rank 1 alone is named, as in eager (tests/test_faults.py)."""
+    from conftest import TINY, check, launch, read_metrics
+    out = tmp_path / "slow_compiled"
+    check(launch(2, out, TINY + ["train.max_steps=5", "parallel.ep=2", "train.compile=true",
+                                 "train.compile_backend=aot_eager", "debug.faults=[slow@2:1]"]))
+    slow = [r for r in read_metrics(out) if r.get("event") == "straggler"]
+    assert len([r for r in slow if r["rank"] == 1]) >= 3, slow  # judged at steps 2-5
+    assert not [r for r in slow if r["rank"] == 0], slow

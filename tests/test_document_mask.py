@@ -321,3 +321,44 @@ def _cp_worker(rank, world, port):
 
 def test_context_parallel_chunks_carry_their_documents():
     spawn(_cp_worker, 2)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "accelerator"])
+def test_the_mask_is_built_once_per_micro_batch(backend, monkeypatch):
+    """The mask is built by the first layer that attends the micro-batch's ids and carried by them to
+    the others: one for the window's layers and one per MTP depth (a shorter window), not one per
+    layer; the model's logits and gradients are those of a mask built in every layer. The CUDA path's
+    block mask likewise (FlexAttention without gradients: what a CPU runs), equal to the mask path."""
+    built = []
+
+    def counted(build):
+        return lambda *args, **kw: (built.append(build.__name__), build(*args, **kw))[1]
+    ids, labels = packed_window()
+    runs = {}
+    for once in (True, False):
+        model = model_of("deepseek_v3", backend)
+        if not once:  # the reference: every layer builds its own
+            monkeypatch.setattr(da, "built_once", lambda q_docs, k_docs, key, build: build())
+        monkeypatch.setattr(da, "document_mask", counted(da.document_mask))
+        built.clear()
+        docs = document_ids(ids, EOS)
+        out = model(ids, labels, document_positions(docs), docs)
+        out.loss.backward()
+        runs[once] = (list(built), out.logits.detach(), {n: p.grad for n, p in model.named_parameters()})
+        monkeypatch.undo()
+    assert runs[True][0] == ["document_mask"] * 2  # the 2 layers' window, MTP depth 1's
+    assert runs[False][0] == ["document_mask"] * 3  # one per layer before
+    torch.testing.assert_close(runs[True][1], runs[False][1], rtol=0, atol=0)
+    for name, grad in runs[True][2].items():
+        torch.testing.assert_close(grad, runs[False][2][name], rtol=0, atol=0, msg=name)
+
+    q, k, v = (torch.randn(2, 2, T, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    docs = document_ids(ids, EOS)
+    monkeypatch.setattr(da, "document_block_mask", counted(da.document_block_mask))
+    built.clear()
+    with torch.no_grad():
+        outs = [da.document_attention(q, k, v, 0.25, docs, docs, kernel="flex-eager") for _ in range(3)]
+        masked = da.document_attention(q, k, v, 0.25, docs, docs, kernel="mask")
+    assert built == ["document_block_mask"]
+    for out in outs:
+        torch.testing.assert_close(out, masked, rtol=1e-5, atol=1e-5)

@@ -155,6 +155,56 @@ def test_forward_backward_has_no_host_sync_on_cuda():
         torch.cuda.set_sync_debug_mode("default")
 
 
+def test_mla_attention_asks_cudnn_first_on_cuda_and_torchs_order_elsewhere():
+    """MLA's two head sizes (query/key 192, value 128 in DeepSeek-V3) on CUDA: cuDNN first, then torch's
+    order (flash refuses them, memory-efficient is what torch's order would pick, math last); one head
+    size, or a CPU, keeps torch's own order (flash first)."""
+    from torch.nn.attention import SDPBackend as B
+    from moe_trainer.kernels.accelerator import sdpa_backends
+    v3 = load_config(str(ROOT / "configs/deepseek_v3_671b.yaml")).model
+    qk = v3.qk_nope_head_dim + v3.qk_rope_head_dim
+    assert (qk, v3.v_head_dim) == (192, 128)
+    assert sdpa_backends("cuda", qk, v3.v_head_dim) == [B.CUDNN_ATTENTION, B.FLASH_ATTENTION, B.EFFICIENT_ATTENTION,
+                                                         B.MATH]
+    assert sdpa_backends("cuda", 128, 128) is None and sdpa_backends("cpu", qk, v3.v_head_dim) is None
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_mla_attention_runs_cudnn_on_cuda():
+    """The kernel SDPA really runs for MLA's shapes through the accelerator path, eager and compiled:
+    cuDNN's fused attention both ways (torch's own order: the memory-efficient kernel), equal to the
+    math kernel in bf16."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+    from moe_trainer.kernels.accelerator import AcceleratorBackend
+    if not torch.backends.cudnn.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN attention for two head sizes needs cuDNN on an sm90+ GPU")
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    q, k = (torch.randn(2, 16, 1024, 192, device=CUDA, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(2, 16, 1024, 128, device=CUDA, generator=g, dtype=torch.bfloat16)
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                                               scale=0.1)
+    assert torch._fused_sdp_choice(q, k, v, is_causal=True) == SDPBackend.EFFICIENT_ATTENTION.value  # torch's
+
+    def ops(fn) -> set:
+        qq = q.clone().requires_grad_()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = fn(qq, k, v, 0.1)
+            out.float().square().sum().backward()
+        torch.cuda.synchronize()
+        assert rel(out, ref) < 2e-2
+        return {e.name for e in prof.events() if "scaled_dot_product" in e.name}
+
+    for fn in (AcceleratorBackend.causal_attention,
+               torch.compile(AcceleratorBackend.causal_attention, fullgraph=True)):
+        names = ops(fn)
+        assert "aten::_scaled_dot_product_cudnn_attention" in names, names
+        assert "aten::_scaled_dot_product_cudnn_attention_backward" in names, names
+        assert not any("efficient" in n or "flash" in n for n in names), names
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_resume_on_cuda_continues_the_uninterrupted_run(on_cuda, tmp_path):

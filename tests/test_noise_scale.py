@@ -161,3 +161,91 @@ def test_squared_norm_matches_float64(dtype, rel, numel):
     got = squared_norm(t)
     assert got.dtype == torch.float32 and got.dim() == 0
     assert abs(got.item() - exact) / exact < rel
+
+
+class _Mesh:
+    """The mesh's answers the meter asks for, with stand-in model-parallel and data-parallel groups (so
+    that each of its all-reduces is made, and counted)."""
+    groups = {"mp": "mp", "dpcp": "dpcp"}
+
+    def group(self, kind):
+        return self.groups.get(kind)
+
+    def index(self, kind):
+        return 0
+
+    def size(self, kind):
+        return 1
+
+
+def _hooks(params) -> int:
+    return sum(len(p._backward_hooks or {}) for p in params)
+
+
+@pytest.mark.timeout(300)
+def test_noise_scale_meter_measures_the_logged_steps_alone_and_nothing_when_off(one_rank_env, monkeypatch):
+    """metrics.noise_scale: measuring on steps 2 and 3 of 3 (every 2 and the last) gives the estimate the
+    always-hooked reference gives from those steps; the other steps have no hooks and no collective; off,
+    the meter registers no hook, wraps no optimizer method and makes no collective."""
+    deepspeed = pytest.importorskip("deepspeed")
+    import torch.distributed as dist
+    from moe_trainer.noise_scale import NoiseScaleMeter
+    from moe_trainer.parallel import comm
+    calls = []
+    monkeypatch.setattr(comm, "all_reduce_small", lambda t, group=None, op="sum": calls.append(group) or t)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "train_batch_size": 8,
+           "zero_optimization": {"stage": 1}, "gradient_clipping": 1e9, "steps_per_print": 1 << 30,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+    xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        engines = {}
+        for mode in ("meter", "reference", "off"):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+            engines[mode], *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
+                                                     config=cfg)
+        on = NoiseScaleMeter(engines["meter"], _Mesh(), 2, 4.0, 8.0, alpha=0.5, every=2, last=3)
+        off = NoiseScaleMeter(engines["off"], _Mesh(), 2, 4.0, 8.0, alpha=0.5, enabled=False, every=2, last=3)
+        assert on.micro is not None and off.micro is None and off.reduced is None
+        assert not {"get_grad_norm_direct", "get_grads_for_norm"} & set(engines["off"].optimizer.__dict__)
+        ref_micro = MicroGradNorms(engines["reference"].module, unscale=2)
+        ref_reduced, ref_noise = ReducedGradNorm(engines["reference"]), NoiseScale(alpha=0.5)
+        params = {mode: list(e.module.parameters()) for mode, e in engines.items()}
+        hooked, collectives = [], []
+        for step in (1, 2, 3):
+            on.begin(step)
+            off.begin(step)
+            hooked.append((_hooks(params["meter"]), _hooks(params["off"])))
+            for e in engines.values():
+                for x in xs[2 * step - 2:2 * step]:
+                    e.backward(e(x).square().mean())
+                    e.step()
+            before = len(calls)
+            on.end(False, torch.device("cpu"))
+            off.end(False, torch.device("cpu"))
+            collectives.append(len(calls) - before)
+            small, big = ref_micro.take(2), ref_reduced.take()
+            if step in (2, 3):
+                ref_noise.update(float(small), float(big), 4.0, 8.0)
+        assert hooked == [(0, 0), (4, 0), (4, 0)]  # 4 parameters, hooked on the measured steps only
+        assert collectives == [0, 2, 2]  # the model-parallel and data-parallel sums, on those steps
+        assert _hooks(params["meter"]) == 0 and on.noise.steps == 2 and off.noise.steps == 0
+        assert on.noise.value == pytest.approx(ref_noise.value, rel=1e-6)
+        assert on.noise.grad_sq == pytest.approx(ref_noise.grad_sq, rel=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_trainer_logs_the_noise_scale_on_its_log_steps_and_none_when_off(tmp_path):
+    """metrics.noise_scale (on by default) measures the logged steps: each log record has the estimate;
+    off, none has it."""
+    from conftest import TINY, check, launch, read_metrics
+    base = TINY + ["train.max_steps=4", "train.log_every=2"]
+    for on in (True, False):
+        out = tmp_path / str(on)
+        check(launch(1, out, base + [f"metrics.noise_scale={str(on).lower()}"], launcher="python"))
+        logged = [r for r in read_metrics(out) if "loss" in r]
+        assert [r["step"] for r in logged] == [2, 4]
+        assert all(("noise_scale_tokens" in r) == on for r in logged), logged

@@ -8,7 +8,8 @@
 - Attention: `F.scaled_dot_product_attention` (flash / memory-efficient kernels on GPUs);
   grouped-query attention through `enable_gqa`; MLA's value head, narrower than its query/key
   head, goes in unpadded (CUDA's cuDNN / memory-efficient kernels take two head sizes; CPU ranks
-  pad it, `sdpa_padded_v`, since the CPU flash kernel does not). Context parallelism's attention
+  pad it, `sdpa_padded_v`, since the CPU flash kernel does not), with cuDNN asked first on CUDA
+  (`sdpa_backends`: torch's own order would pick the memory-efficient kernel). Context parallelism's attention
   of query chunks over the whole sequence runs without a mask, by chunk pairs merged on their
   log-sum-exps (kernels/chunked_attention.py).
 - RMSNorm: one `F.rms_norm` in the compute dtype (one kernel each way on CUDA, fp32 inside).
@@ -23,11 +24,38 @@ from __future__ import annotations
 
 from typing import Optional
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .chunked_attention import chunked_causal_attention
 from .document_attention import document_attention
+
+# SDPA's backends for a value head narrower than the query/key head (MLA: 128 vs 192), best first
+TWO_HEAD_SIZES = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                  SDPBackend.MATH]
+
+
+def sdpa_backends(device_type: str, qk_head_dim: int, v_head_dim: int) -> Optional[list]:
+    """SDPA's backends in the order to try them, or None for torch's own order (flash, memory-efficient,
+    math, cuDNN), which suits one head size on every device. On CUDA with two head sizes (MLA) flash
+    attention cannot run (it takes one), so torch's order picks the memory-efficient kernel, whose
+    backward is slow above head dim 128 (MLA: 192); cuDNN's fused attention takes 192/128 and runs
+    Hopper's tensor-core pipeline both ways, but torch tries it last. So cuDNN first, then the rest in
+    torch's order: a shape or setting cuDNN refuses (an old GPU or cuDNN, a head size it lacks) falls
+    back to the kernel torch would have picked. Padding V to 192 for flash attention instead costs 1.5x
+    the PV GEMMs, a padded copy of V and a slice of the output each way, on flash attention 2."""
+    if device_type != "cuda" or qk_head_dim == v_head_dim:
+        return None
+    return list(TWO_HEAD_SIZES)
+
+
+def sdpa_order(q: torch.Tensor, v: torch.Tensor):
+    """The context SDPA runs in for these shapes (sdpa_backends), set as a priority order."""
+    backends = sdpa_backends(q.device.type, q.shape[-1], v.shape[-1])
+    return contextlib.nullcontext() if backends is None else sdpa_kernel(backends, set_priority=True)
 
 
 def sdpa_padded_v(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -186,9 +214,10 @@ class AcceleratorBackend:
         """(B, H, T, Dqk) x (B, Hkv, S, Dqk) x (B, Hkv, S, Dv) -> (B, H, T, Dv), causal. MLA's value
         head (Dv < Dqk) goes in as it is: SDPA then picks a kernel that takes two head sizes (cuDNN or
         memory-efficient attention on CUDA; flash attention wants one) instead of attending over
-        zero-padded values (a pad, 1.5x the PV work and a slice copy each way)."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                              enable_gqa=k.shape[1] != q.shape[1])
+        zero-padded values (a pad, 1.5x the PV work and a slice copy each way), cuDNN's first on CUDA."""
+        with sdpa_order(q, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
 
     @staticmethod
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -15,6 +15,9 @@ not after i and both lie in the same document. Two ways to compute it behind one
 Context parallelism: the local queries are chunks `q_chunks` of c tokens (parallel/context.py),
 the keys the whole sequence in global order; positions decide causality, so one code path serves
 both (q_chunks None: queries and keys are the same T tokens).
+
+Either mask is built once per micro-batch, not in every layer: the first layer's call keeps it on the
+micro-batch's ids tensor, which every layer is handed unchanged (`built_once`).
 """
 from __future__ import annotations
 
@@ -96,6 +99,23 @@ def document_block_mask(q_docs: torch.Tensor, k_docs: torch.Tensor, q_pos: torch
                                     seq_lengths=(q_pos.numel(), k_pos.numel()))
 
 
+def built_once(q_docs: torch.Tensor, k_docs: torch.Tensor, key: tuple, build):
+    """build()'s mask for these ids, made once for the micro-batch: kept on its ids tensor (k_docs,
+    which the model hands every layer unchanged: one mask per micro-batch, shared by the layers and by
+    autograd's saved tensors) under `key`, and made again if the ids change in place. Built every time
+    when the queries' ids are another tensor (context parallelism's shard, made per layer), and inside
+    a compiled graph, where it is part of the graph."""
+    if q_docs is not k_docs or torch.compiler.is_compiling():
+        return build()
+    version, masks = getattr(k_docs, "_document_masks", (None, None))
+    if version != k_docs._version:
+        version, masks = k_docs._version, {}
+        k_docs._document_masks = (version, masks)
+    if key not in masks:
+        masks[key] = build()
+    return masks[key]
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
@@ -107,7 +127,8 @@ def flex_document_attention(q, k, v, scale: float, q_docs, k_docs, q_pos, k_pos,
     """(B, H, Tq, D) x (B, Hkv, S, D) x (B, Hkv, S, Dv) -> (B, H, Tq, Dv) by FlexAttention."""
     from torch.nn.attention.flex_attention import flex_attention
     attend = _compiled_flex() if compiled else flex_attention
-    mask = document_block_mask(q_docs, k_docs, q_pos, k_pos, block)
+    mask = built_once(q_docs, k_docs, ("flex", block, q_pos.numel(), k_pos.numel()),
+                      lambda: document_block_mask(q_docs, k_docs, q_pos, k_pos, block))
     return attend(q, k, v, block_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
@@ -129,7 +150,9 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
         dv = v.shape[-1]
         if dv < q.shape[-1]:  # MLA: with one head size SDPA takes its fused kernel (the math one: ~2x slower)
             v = F.pad(v, (0, q.shape[-1] - dv))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(q_docs, k_docs, q_pos, k_pos),
-                                             scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        mask = built_once(q_docs, k_docs, ("mask", q_pos.numel(), k_pos.numel()),
+                          lambda: document_mask(q_docs, k_docs, q_pos, k_pos))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
         return out[..., :dv] if out.shape[-1] != dv else out
     return flex_document_attention(q, k, v, scale, q_docs, k_docs, q_pos, k_pos, compiled=kernel == "flex")

@@ -27,17 +27,19 @@ class CommCounter:
     of StepClock marks (CUDA events on a GPU, where a collective does not block the host; the
     host clock elsewhere), read by reset() after the step's host sync.
 
-    Inside a torch.compile graph the bytes go into `in_graph` (a host tensor, one row of sent,
-    received and calls per GRAPH_KINDS entry) by in-place adds the graph performs: Python ints
-    updated there would be guards on their values, and each new total a recompile."""
+    Inside a torch.compile graph the bytes go into `in_graph` (one row of sent, received and calls per
+    GRAPH_KINDS entry, on the layers' `device`) by in-place adds the graph performs: Python ints
+    updated there would be guards on their values, and each new total a recompile. On the layers'
+    device, not the host, so the adds are device kernels of the graph (a host tensor in a CUDA graph
+    would keep inductor from capturing it with CUDA graphs); reset() reads it, after the step's sync."""
 
-    def __init__(self, clock: Optional[StepClock] = None):
+    def __init__(self, clock: Optional[StepClock] = None, device: Optional[torch.device] = None):
         self.clock = clock or StepClock()
         self.sent: dict[str, int] = defaultdict(int)
         self.received: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
         self.spans: list = []  # (kind, start mark, end mark)
-        self.in_graph = torch.zeros(len(GRAPH_KINDS), 3, dtype=torch.int64)
+        self.in_graph = torch.zeros(len(GRAPH_KINDS), 3, dtype=torch.int64, device=device)
         self.graph_counted = False  # set by compiled graphs (a stored attribute: no guard on it)
 
     def mark(self):
@@ -69,7 +71,8 @@ class CommCounter:
             self.seconds[kind] += clock.seconds(start, end)
         self.spans.clear()
         if self.graph_counted:
-            for kind, (sent, received, calls) in zip(GRAPH_KINDS, self.in_graph.tolist()):  # a host tensor
+            # host sync: one copy of (kinds, 3) ints per step, after the step's own sync (reduce_losses)
+            for kind, (sent, received, calls) in zip(GRAPH_KINDS, self.in_graph.tolist()):
                 if calls:
                     self.sent[kind] += sent
                     self.received[kind] += received

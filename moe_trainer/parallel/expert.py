@@ -166,9 +166,11 @@ class AllToAllDispatcher:
     def _splits(*per_rank: torch.Tensor) -> list[list[int]]:
         """The all-to-all split sizes on the host: THE host sync of an expert-parallel MoE layer,
         one device-to-host copy of every (ep,) count vector given, per micro-batch. Under
-        torch.compile (capture_scalar_outputs) they are unbacked symbolic sizes, no graph break."""
+        torch.compile (capture_scalar_outputs) they are unbacked symbolic sizes, no graph break.
+        The copy is explicit: a compiled graph turns `.tolist()` into one item() per element, each
+        a blocking read of device memory (2 ep of them), where items of the host copy read host memory."""
         ep = per_rank[0].numel()
-        flat = torch.cat(per_rank).tolist()  # host sync (the only one of the layer)
+        flat = torch.cat(per_rank).cpu().tolist()  # host sync (the only one of the layer): one copy
         if traced():
             for size in flat:
                 torch._check_is_size(size)
@@ -354,4 +356,7 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, counter: Optional[CommCo
             p.group_name = group_name
             p.expert_shard = (ep_rank, ep)  # checkpoint.py gathers / slices along dim 0
     model.deepspeed_moe_marker = _deepspeed_moe_marker(moe[0].n_experts, ep, group_name, mesh)
+    # on every rank now, not only where the engine finds the marker: a pipeline stage without experts
+    # still reduces the expert norm over these groups (zero.same_norm_collectives)
+    register_deepspeed_groups(mesh, group_name)
     return model

@@ -74,15 +74,35 @@ def fp32_partitions(engine) -> list[torch.Tensor]:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only; norms, biases and 1-D gains are not decayed."""
-    decay, no_decay = [], []
+    """Decay matrices only; norms, biases and 1-D gains are not decayed. Expert-parallel parameters
+    (a module DeepSpeed sees as MoE) go last, one group per expert group, 'moe' as DeepSpeed's own split
+    marks it but never cut in pieces (DeepSpeed cuts at 179M elements, a count that differs between
+    pipeline stages, and ZeRO-1 makes one norm all-reduce over the stages per group: same_norm_collectives)."""
+    marker = getattr(model, "deepspeed_moe_marker", None)
+    decay, no_decay, experts = [], [], {}
     for _, p in model.named_parameters():
-        if p.requires_grad:
+        if not p.requires_grad:
+            continue
+        if marker is not None and getattr(p, "allreduce", True) is False:
+            experts.setdefault(p.group_name, []).append(p)
+        else:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
+    for name, params in experts.items():
+        if any(p.dim() < 2 for p in params):
+            raise ValueError(f"expert-parallel parameters are matrices (decayed); {name} holds a 1-D one")
+        groups.append({"params": params, "weight_decay": weight_decay, "name": name, "moe": True})
     return groups
+
+
+def model_expert_groups(module: torch.nn.Module) -> list[str]:
+    """The expert group names of the whole model (DeepSpeed's MoE groups), also on a pipeline stage
+    that holds none of its experts (the stage keeps the full model as `_model`)."""
+    full = getattr(module, "_model", (module,))[0]
+    marker = getattr(full, "deepspeed_moe_marker", None)
+    return [marker.expert_group_name] if marker is not None else []
 
 
 def build_engine(model: torch.nn.Module, cfg: Config, layout: Layout, mpu=None):
@@ -91,7 +111,69 @@ def build_engine(model: torch.nn.Module, cfg: Config, layout: Layout, mpu=None):
     ds_logger.setLevel(logging.WARNING)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
                                            config=deepspeed_config(cfg, layout), mpu=mpu)
+    same_norm_collectives(engine.optimizer, model_expert_groups(model), uses_bf16_optimizer(engine))
     return engine
+
+
+def same_norm_collectives(opt, expert_groups: list[str], bf16: bool) -> None:
+    """Make the optimizer's gradient-norm collectives the model's, not this pipeline stage's.
+
+    The global norm is summed over the pipeline stages (DeepSpeed's model-parallel and pipeline groups),
+    and DeepSpeed makes those all-reduces per group this rank holds: BF16_Optimizer one per expert group
+    with gradients here (get_norm_with_moe_layers, only when the engine found MoE layers on this stage),
+    ZeRO-1 one per optimizer param group (get_grad_norm_direct). A stage without experts (dense layers
+    first, as DeepSeek-V3's first_k_dense_replace) would skip calls that the other stages make, and the
+    next all-reduce on the group (the step's losses) would meet them: a hang, or a loss added to a squared
+    norm. Here every stage takes the norm of every expert group of the model, a zero where it holds none,
+    in the same order (experts after the dense groups, param_groups), so the calls are the same on every
+    stage by construction. Nothing changes where the model has no expert-parallel layers."""
+    if not expert_groups:
+        return
+    if bf16:
+        _bf16_every_expert_group(opt, expert_groups)
+    else:
+        _zero_every_expert_group(opt, expert_groups)
+
+
+def _bf16_every_expert_group(opt, expert_groups: list[str]) -> None:
+    # step() reduces the expert norms only where has_moe_layers; the engine sets it from the stage's own
+    # modules (a stage without experts cannot be MoE to DeepSpeed: it would need an expert param group)
+    opt.has_moe_layers = True
+    if not hasattr(opt, "expert_gradients"):
+        opt.expert_gradients = {}  # get_grads_for_reduction's expert part: nothing to reduce on this stage
+    inner = opt.get_grads_for_norm
+    device = opt.fp32_groups_flat_partition[0].device
+
+    def every_expert_group(for_clipping=False):
+        out = inner(for_clipping=for_clipping)
+        if for_clipping:
+            return out
+        dense, experts = out
+        return dense, {name: experts.get(name) or [torch.zeros(1, device=device)] for name in expert_groups}
+    opt.get_grads_for_norm = every_expert_group
+
+
+def _zero_every_expert_group(opt, expert_groups: list[str]) -> None:
+    # the groups param_groups makes on a stage holding every kind of parameter, in its order; DeepSpeed
+    # drops empty ones, so a stage holds a prefix of them (every layer has norms: no_decay is never empty)
+    expected = ["decay", "no_decay", *expert_groups]
+    names = [g["name"] for g in opt.optimizer.param_groups]
+    if names != expected[:len(names)]:
+        raise ValueError(f"the optimizer's param groups {names} are not a prefix of {expected} (param_groups)")
+    missing = expected[len(names):]
+    if not missing:
+        return
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+    inner = opt.scaled_global_norm
+
+    def with_every_expert_group(norm_type=2):
+        norm = inner(norm_type)
+        # each absent group's norm through the same dp and model-parallel all-reduces as the other stages':
+        # 0 from this stage, the other stages' experts summed in (the class's method: noise_scale records
+        # the instance's, this rank's groups only)
+        experts = [type(opt).get_grad_norm_direct(opt, [], [], norm_type) for _ in missing]
+        return combine_grad_norm_groups([norm, *experts], norm_type=norm_type)
+    opt.scaled_global_norm = with_every_expert_group
 
 
 def set_lr(engine, lr: float) -> None:
