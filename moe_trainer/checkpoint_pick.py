@@ -63,13 +63,15 @@ def _hash_problem(path: Path, files: dict, names: list[str]) -> Optional[str]:
 
 def _broadcast(obj, rank: int, device: torch.device):
     """Rank 0's `obj` (JSON) on every rank: its length, then its bytes, as tensors on the rank's device
-    (NCCL takes nothing else). One host sync, for the length."""
-    data = json.dumps(obj).encode() if rank == 0 else b""
-    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(n, src=0)
-    buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=device)  # host sync: once per pick
+    (NCCL takes nothing else). One host sync on the receiving ranks, for the length."""
     if rank == 0:
-        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        data = json.dumps(obj).encode()
+        dist.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=device), src=0)
+        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), src=0)
+        return obj
+    n = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(n, src=0)
+    buf = torch.empty(int(n.item()), dtype=torch.uint8, device=device)  # host sync: once per pick
     dist.broadcast(buf, src=0)
     # empty only where a process group moves no data (the dry run's fake one): nothing listed
     return json.loads(bytes(buf.cpu().tolist())) if buf.numel() else [True, []]
