@@ -16,8 +16,9 @@ overlap it, so a checkpoint loads under any pp / ep / dp / tp / cp.
 
 Each rank hashes its own file; rank 0 writes state.json and the manifest from the sizes and
 digests the ranks report, then renames the directory into place and moves `latest`. A
-directory without a manifest is never resumed from. Readers check sizes of every file and the
-checksum of every file they read. No pickle is ever read.
+directory without a manifest is never resumed from. A resume checks the size of every file
+and the checksum of every file, each hashed once by one rank (checkpoint_pick.py); a tool reading
+in one process checks those it reads. No pickle is ever read.
 
 Kept whole (over 500 lines): the file format is one contract between the writer and the
 readers (the index, the box arithmetic and the manifest checks must change together).
@@ -170,7 +171,8 @@ def _finish(trainer, tmp: Path, final: Path, reports: list[tuple[int, str]]) -> 
     state = {"step": trainer.step, "adam_step": adam_step(trainer.engine),
              "data_position": trainer.step + trainer.data_offset,
              "arch": trainer.cfg.model.arch, "layout": trainer.layout.__dict__,
-             "model": trainer.cfg.to_dict()["model"], "noise_scale": trainer.observers.noise.state_dict()}
+             "model": trainer.cfg.to_dict()["model"], "noise_scale": trainer.observers.noise.state_dict(),
+             "guards": trainer.guards.state_dict()}
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
     files = {part_name(r): {"bytes": size, "sha256": digest} for r, (size, digest) in enumerate(reports)}
     f = tmp / "state.json"
@@ -538,23 +540,16 @@ def _boxes(module: torch.nn.Module) -> dict:
     return boxes
 
 
-def files_to_read(path: Path, module: torch.nn.Module, rank: int) -> set:
-    """The part files rank `rank` reads (their checksums are checked by this rank): those holding a
-    piece of the blocks of its `module` (built and sharded; its weights need not be set yet), and
-    its own RNG state. An unreadable part counts as read (and fails)."""
-    try:
-        index = Index(path)
-    except CheckpointError:
-        files, _ = _manifest_files(path)
-        return set(files or ())
-    return index.files_for(_boxes(module)) | ({part_name(rank)} & index.rng_files)
+def read_state(path: Path) -> dict:
+    """state.json: step, data position, layout, and the run-wide state of the noise scale and the guards."""
+    return json.loads((Path(path) / "state.json").read_text())
 
 
 def load(path: Path, trainer) -> int:
     """Restore weights, optimizer state, RNG and step from a verified checkpoint: this rank reads
     only the pieces that overlap what it holds."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-    state = json.loads((path / "state.json").read_text())
+    state = read_state(path)
     if state.get("arch") != trainer.cfg.model.arch:
         raise CheckpointError(f"checkpoint {path} holds a {state.get('arch')} model, but model.arch is "
                               f"{trainer.cfg.model.arch}.")

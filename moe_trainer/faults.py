@@ -284,6 +284,16 @@ class SpikeGuard:
         self.losses.clear()
         self.norms.clear()
 
+    def state_dict(self) -> dict:
+        """The history (global values: reduced losses, the global gradient norm), so that a resumed
+        run judges its first step as the uninterrupted run would."""
+        return {"losses": list(self.losses), "norms": list(self.norms)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reset()
+        self.losses.extend(float(x) for x in state["losses"])
+        self.norms.extend(float(x) for x in state["norms"])
+
 
 # ----------------------------------------------------------------------------- stragglers
 

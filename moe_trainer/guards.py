@@ -5,7 +5,12 @@
     poisoned(step)         nan injection: is this rank's loss made non-finite    (before forward)
     after_step(record)     bit-flip injection; the NaN policy; the spike guard   (after the optimizer step)
                            -> True when the run rolled back (the step counter is the checkpoint's)
+    before_checkpoint()    the replica check, if this state has not passed it    (before a checkpoint)
+                           -> True when the run rolled back
     at_log_step(record)    straggler naming, with the ranks' compute times       (at log steps)
+    state_dict()           saved in each checkpoint, loaded at a resume: the spike guard's history and
+                           the rest of what decides the next step, so a restart guards as an
+                           uninterrupted run would
 
 The mechanisms live in faults.py (injection, checksums, the spike rule, straggler events); this
 module decides when they run and what the run does about what they find: repair, roll back, skip,
@@ -19,7 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import checkpoint
+from . import checkpoint, checkpoint_pick
 from .compile import forward_waits_timed
 from .faults import (Faults, ReplicaCheck, SpikeGuard, owner_drift, owner_partitions, parse_faults, repair_from_owners,
                      straggler_events)
@@ -52,20 +57,30 @@ class Guards:
 
     def _find(self, at_most: int):
         """The newest intact checkpoint of step `at_most` or before (collective: every rank agrees)."""
-        tr = self.trainer
-        return checkpoint.find_resume(tr.out_dir, "auto", warn=self.is_logger, at_most=at_most,
-                                      files_read=lambda path: checkpoint.files_to_read(path, tr.model, self.mesh.rank),
-                                      any_rank=tr.any_rank)
+        return checkpoint_pick.pick(self.trainer.out_dir, "auto", self.mesh.rank, self.layout.world,
+                                    self.trainer.device, warn=self.is_logger, at_most=at_most)
 
     # ------------------------------------------------------------------ the loop's fixed points
     def before_step(self, step: int) -> None:
         """At the start of step `step` (1-based): injected kill / hang / slow, then the replica check."""
         if self.faults:
             self.faults.before_step(step)
-        if self.replicas and self.replicas.due(step - 1):
+        if self.replicas and self.replicas.due(step - 1) and self.last_checked != step - 1:
             progress(step, "replica check")
             self.check_replicas()
 
+    def before_checkpoint(self) -> bool:
+        """Before a checkpoint is written (every train.checkpoint_every steps and at the last step): the
+        replica check, unless this state passed it already, so that no checkpoint is written from
+        replicas that were never compared, however short the run. True if it rolled back (a corrupt
+        owner partition): the checkpoint is not written, the loop goes on from the older one."""
+        tr = self.trainer
+        if not self.replicas or self.last_checked == tr.step:
+            return False
+        at = tr.step
+        progress(at, "replica check")
+        self.check_replicas()
+        return tr.step != at
 
     def lr_factor(self, step: int) -> float:
         """spike@S: a diverging update."""
@@ -89,6 +104,24 @@ class Guards:
     def at_log_step(self, record: dict) -> None:
         self.name_stragglers(record)
 
+    # ------------------------------------------------------------------ restart state
+    def state_dict(self) -> dict:
+        """What a resumed run needs to guard its next step exactly as the uninterrupted run would: the
+        spike guard's history, the last rollback, the non-finite steps in a row, the last step the
+        replica check passed. The same on every rank (reduced values, collective decisions), so it is
+        written once, in the checkpoint's state.json (under the manifest's checksum)."""
+        return {"spike_guard": self.spikes.state_dict() if self.spikes else None,
+                "rolled_back_to": self.rolled_back_to, "nan_skips": self._nan_skips, "last_checked": self.last_checked}
+
+    def load_state_dict(self, state: dict) -> None:
+        """At a resume (not at a rollback, which starts the spike history afresh). A checkpoint from
+        before the guards were saved leaves them as a fresh start has them."""
+        if self.spikes is not None and state.get("spike_guard") is not None:
+            self.spikes.load_state_dict(state["spike_guard"])
+        self.rolled_back_to = state.get("rolled_back_to")
+        self._nan_skips = int(state.get("nan_skips", 0))
+        self.last_checked = state.get("last_checked")
+
     # ------------------------------------------------------------------ NaN
     def check_finite(self, record: dict) -> None:
         """NaN/inf loss policy: the optimizer skipped the step (DeepSpeed skips
@@ -103,6 +136,10 @@ class Guards:
         if self.is_logger:
             print(f"warning: step {tr.step}: non-finite loss ({record['losses']['lm']}); step skipped "
                   f"({self._nan_skips} in a row, train.max_nan_skips={limit})", file=sys.stderr, flush=True)
+            # JSON has no NaN: the loss is written as its name; in TensorBoard events/nan/in_a_row
+            self._event(tr.step, {"event": "nan", "lm_loss": str(record["losses"]["lm"]), "in_a_row": self._nan_skips,
+                                  "action": "stopped" if self._nan_skips > limit else "skipped"},
+                        tb_prefix="events/nan/")
         if self._nan_skips > limit:
             tr.step -= self._nan_skips  # the weights are those after the last good step
             tr.save_checkpoint()

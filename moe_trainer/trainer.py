@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, run_dir
+from . import checkpoint, checkpoint_pick, run_dir
 from .config import Config, Layout, TrainConfig
 from .data import DataError, MixtureSource, open_run_data, run_data_dir
 from .data.documents import document_ids, document_positions
@@ -169,19 +169,16 @@ class Trainer:
 
     def find_checkpoint(self) -> Optional[Path]:
         """The checkpoint this start resumes, or None. Decides the start if moe_trainer.train did not
-        (plan_start chose a checkpoint from its manifest and sizes); each rank then checks the
-        checksums of the files its model's blocks are read from, and all agree: a damaged one is
-        refused, and train.resume=auto falls back to an older one or to none. Collective."""
+        (plan_start chose a checkpoint from its manifest and sizes); rank 0's choice then holds for
+        every rank, and the checksums of its files, hashed once over the ranks, refuse a damaged one:
+        train.resume=auto falls back to an older one or to none (checkpoint_pick). Collective."""
         if self.start is None:
             self.start = run_dir.plan_start(self.cfg, None, warn=self.is_logger)
             self.start.resume = self.cfg.train.resume
-        if self.start.checkpoint is None:
-            return None
-        resume = "auto" if self.start.resume == "auto" else str(self.start.checkpoint)
-        found = checkpoint.find_resume(self.out_dir, resume, warn=self.is_logger,
-                                       files_read=lambda path: checkpoint.files_to_read(path, self.model,
-                                                                                        self.mesh.rank),
-                                       any_rank=self.any_rank, warned=self.start.warned)
+        resume = "none" if self.start.checkpoint is None else \
+            "auto" if self.start.resume == "auto" else str(self.start.checkpoint)
+        found = checkpoint_pick.pick(self.out_dir, resume, self.mesh.rank, self.layout.world, self.device,
+                                     warn=self.is_logger, warned=self.start.warned)
         if found != self.start.checkpoint:  # the checksums refused plan_start's pick: the run directory's
             self.start.checkpoint = found   # history and the console say what this start really resumes
             self.start.fresh_over = found is None and (self.out_dir / "config.yaml").is_file()
@@ -209,6 +206,7 @@ class Trainer:
         """Load the checkpoint find_checkpoint chose, if any."""
         if self.resume_from is not None:
             self.step = checkpoint.load(self.resume_from, self)
+            self.guards.load_state_dict(checkpoint.read_state(self.resume_from).get("guards", {}))
             if self.is_logger:
                 print(f"resumed from {self.resume_from} at step {self.step}", flush=True)
 
@@ -239,6 +237,8 @@ class Trainer:
                 last.update(self.evaluate_and_log())
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.max_steps \
                     or self._stopping:
+                if self.guards.before_checkpoint():  # replicas compared before they are saved
+                    continue  # rolled back instead
                 progress(self.step, "checkpoint")
                 self.save_checkpoint()
         if self.pipelined and self.trace.enabled:
@@ -410,8 +410,8 @@ class Trainer:
         losses = self.evaluate_sources()
         if self.is_logger:
             self.observers.event(self.step, losses)
-            print(f"step {self.step}/{self.cfg.train.max_steps} | " + " | ".join(f"{k} {v:.4f}" for k, v in losses.items()),
-                  flush=True)
+            shown = " | ".join(f"{k} {v:.4f}" for k, v in losses.items())
+            print(f"step {self.step}/{self.cfg.train.max_steps} | {shown}", flush=True)
         return losses
 
     @torch.no_grad()

@@ -278,6 +278,12 @@ def test_nan_loss_is_skipped_then_stops_with_the_last_good_state(tmp_path):
     recs = {r["step"]: r for r in read_metrics(out) if "loss" in r}
     assert [s for s, r in recs.items() if r["skipped"]] == [3]
     assert all(recs[s]["loss"] == recs[s]["loss"] for s in (4, 5, 6))  # finite again
+    nan = [r for r in read_metrics(out) if r.get("event") == "nan"]  # an event row, and in TensorBoard
+    assert [(r["step"], r["lm_loss"], r["in_a_row"], r["action"]) for r in nan] == [(3, "nan", 1, "skipped")]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("events/nan/in_a_row")] == [(3, 1.0)]
     # the skipped step changed nothing: weights after step 3 are those after step 2
     assert_same_weights(weights(out / "checkpoints" / "step_2"), weights(out / "checkpoints" / "step_3"), 0, 0)
     halt = tmp_path / "halt"

@@ -180,7 +180,8 @@ class CollectiveWatch:
 
     The store keys (under moe_trainer/failure/<attempt>/, so a torchrun restart starts clean):
     `first` (who reports: the first rank to compare_set it), `rank/<r>` (each rank's answer:
-    "failed" if a collective failed on it, "alive" otherwise), `printed` (the line is out)."""
+    "failed" if a collective failed on it, "alive" otherwise), `printed` (the line is out), `bye/<r>`
+    (rank r asks the store nothing more: its host waits for these before it exits)."""
 
     POLL_S = 2.0  # two store checks per rank per interval while training: TCP round trips, no device sync
     ANSWER_S = 5.0  # how long the reporting rank waits for the others' answers before it prints
@@ -244,6 +245,7 @@ class CollectiveWatch:
             self.reported = True
             self._answer("alive")
             self._wait_for(self.prefix + "printed", self.ANSWER_S + 5)
+            self._leave()
             self._end()
 
     def _end(self) -> None:
@@ -278,12 +280,33 @@ class CollectiveWatch:
                 return
             if not claimed:
                 self._wait_for(self.prefix + "printed", self.ANSWER_S + 5)
+                self._leave()
                 return
             _print(failure_line(origin, reason, self.timeout_s, self._answers(), self.world))
             try:
                 self.store.set(self.prefix + "printed", "1")
             except RuntimeError:
                 pass
+            self._leave()
+
+    def _leave(self) -> None:
+        """The last use of the store on this rank; the host of the store (rank 0, under the DeepSpeed
+        launcher) leaves last. A rank that asks a store whose host has exited gets an error that
+        torch's C++ logs with a 25-line stack trace beside the job's line: so every other rank says
+        goodbye and stops asking, and the host waits for the goodbyes of the ranks that answered
+        (the silent ones ask nothing), at most ANSWER_S."""
+        self.done.set()  # the polling loop asks nothing more
+        if self.rank != 0:
+            try:
+                self.store.set(f"{self.prefix}bye/{self.rank}", "1")
+            except RuntimeError:
+                pass
+            return
+        try:
+            alive = [r for r in range(1, self.world) if self.store.check([f"{self.prefix}rank/{r}"])]
+        except RuntimeError:
+            return
+        self._wait_for([f"{self.prefix}bye/{r}" for r in alive], self.ANSWER_S)
 
     def _answers(self) -> Optional[dict[int, str]]:
         """rank -> its answer, after every rank answered or ANSWER_S passed (None: unreadable)."""

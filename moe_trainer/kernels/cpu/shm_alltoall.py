@@ -112,16 +112,16 @@ class ShmAllToAll:
         return cls(ops, handle, group, timeout_s)
 
     def all_to_all_single(self, out: torch.Tensor, x: torch.Tensor, out_splits: Optional[list[int]] = None,
-                          in_splits: Optional[list[int]] = None) -> None:
+                          in_splits: Optional[list[int]] = None, what: str = "all-to-all") -> None:
         """dist.all_to_all_single(out, x, out_splits, in_splits) for contiguous CPU tensors (splits
-        in rows of dim 0; None = equal)."""
+        in rows of dim 0; None = equal). `what`: the collective it serves, named in a failure."""
         if out_splits is None:
             out_splits = [out.shape[0] // self.world] * self.world
         if in_splits is None:
             in_splits = [x.shape[0] // self.world] * self.world
         row = x.element_size() * math.prod(x.shape[1:])
         _collective(self.ops.shm_all_to_all, self.handle, _bytes(x), [n * row for n in in_splits], _bytes(out),
-                    [n * row for n in out_splits], self.timeout_s, self.spin_s)
+                    [n * row for n in out_splits], self.timeout_s, self.spin_s, what=what)
 
     def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
                  rendezvous: Optional[bool] = None) -> None:
@@ -141,16 +141,17 @@ class ShmAllToAll:
     # Every reduction is done by one rank per element, adding the ranks' copies in rank order
     # (in float32 for 16-bit tensors), so all ranks end with the same bits.
 
-    def _gather_shares(self, out: torch.Tensor, share: torch.Tensor, sizes: list[int]) -> None:
+    def _gather_shares(self, out: torch.Tensor, share: torch.Tensor, sizes: list[int], what: str) -> None:
         """All-gather: flat `out` (sum(sizes) elements) receives rank j's flat `share` (sizes[j]
         elements, this rank's = share.numel()) in rank order."""
-        self.all_to_all_single(out, share.repeat(self.world), sizes, [share.numel()] * self.world)  # a copy per rank
+        self.all_to_all_single(out, share.repeat(self.world), sizes, [share.numel()] * self.world,  # a copy per rank
+                               what=what)
 
-    def _reduce_share(self, flat: torch.Tensor, sizes: list[int], op: str) -> torch.Tensor:
+    def _reduce_share(self, flat: torch.Tensor, sizes: list[int], op: str, what: str) -> torch.Tensor:
         """Reduce-scatter: flat `flat` cut into consecutive shares of sizes[j] elements; returns the
         reduction over the ranks of this rank's share."""
         mine = flat.new_empty(self.world, sizes[self.rank])
-        self.all_to_all_single(mine.view(-1), flat, [sizes[self.rank]] * self.world, sizes)
+        self.all_to_all_single(mine.view(-1), flat, [sizes[self.rank]] * self.world, sizes, what=what)
         return _reduce_rows(mine, op)
 
     def all_reduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -162,11 +163,11 @@ class ShmAllToAll:
         n = flat.numel()
         if n * flat.element_size() <= GATHER_ALL_BYTES:
             gathered = flat.new_empty(self.world, n)
-            self._gather_shares(gathered.view(-1), flat, [n] * self.world)
+            self._gather_shares(gathered.view(-1), flat, [n] * self.world, "all-reduce")
             flat.copy_(_reduce_rows(gathered, op))
         else:
             sizes = _shares(n, self.world)
-            self._gather_shares(flat, self._reduce_share(flat, sizes, op), sizes)
+            self._gather_shares(flat, self._reduce_share(flat, sizes, op, "all-reduce"), sizes, "all-reduce")
         if flat.data_ptr() != t.data_ptr():
             with torch.no_grad():
                 t.copy_(flat.view_as(t))
@@ -179,7 +180,7 @@ class ShmAllToAll:
         n, w = flat.numel(), self.world
         to_dst = [n if j == dst else 0 for j in range(w)]
         gathered = flat.new_empty(w if self.rank == dst else 0, n)
-        self.all_to_all_single(gathered.view(-1), flat, [n] * w if self.rank == dst else [0] * w, to_dst)
+        self.all_to_all_single(gathered.view(-1), flat, [n] * w if self.rank == dst else [0] * w, to_dst, what="reduce")
         if self.rank == dst:
             with torch.no_grad():
                 t.copy_(_reduce_rows(gathered, op).view_as(t))
@@ -191,7 +192,7 @@ class ShmAllToAll:
         flat = x.detach().reshape(-1).contiguous()
         assert out.is_contiguous() and out.numel() == self.world * flat.numel() and out.dtype == flat.dtype, \
             "all_gather_into_tensor: the output must be contiguous, world x the input's elements, same dtype"
-        self._gather_shares(out.view(-1), flat, [flat.numel()] * self.world)
+        self._gather_shares(out.view(-1), flat, [flat.numel()] * self.world, "all-gather")
         return out
 
     def reduce_scatter_(self, out: torch.Tensor, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -202,7 +203,7 @@ class ShmAllToAll:
         assert flat.numel() == self.world * n and out.dtype == flat.dtype, \
             "reduce_scatter_tensor: the input must have world x the output's elements, same dtype"
         with torch.no_grad():
-            out.copy_(self._reduce_share(flat, [n] * self.world, op).view_as(out))
+            out.copy_(self._reduce_share(flat, [n] * self.world, op, "reduce-scatter").view_as(out))
         return out
 
     def close(self) -> None:
@@ -232,13 +233,18 @@ def _reduce_rows(rows: torch.Tensor, op: str) -> torch.Tensor:
     return acc.to(rows.dtype) if wide else acc
 
 
-def _collective(op, *args) -> None:
+def _collective(op, *args, what: Optional[str] = None) -> None:
     """op(*args), a wait on the peers: its failure (a peer exited, or none came for timeout_s) raises
-    DistError, as a gloo or NCCL collective's does, so the trainer ends the job with its one line."""
+    DistError, as a gloo or NCCL collective's does, so the trainer ends the job with its one line.
+    `what`: the collective an all-to-all serves (a ZeRO all-gather, a loss all-reduce), named in the
+    message instead of the rings' own "shm all-to-all"."""
     try:
         op(*args)
     except RuntimeError as e:
-        raise dist.DistError(str(e)) from None
+        text = str(e)
+        if what is not None and text.startswith("shm all-to-all"):
+            text = f"shm {what}" + text[len("shm all-to-all"):]
+        raise dist.DistError(text) from None
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
