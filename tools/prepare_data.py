@@ -11,7 +11,11 @@ Byte-level tokens (vocab 320) unless a local Hugging Face tokenizer (a tokenizer
 directory holding one) is given; then its own end-of-text token separates documents (found in a
 tokenizer_config.json beside it, or by its usual names; --eos-token names it), and OUT_DIR gets
 a copy of the tokenizer (tokenizer.json, tokenizer_config.json) that the run directory and the
-Hugging Face export carry on. A document goes to validation by a hash of its text.
+Hugging Face export carry on.
+
+Validation: a document goes to validation by a hash of its text (blake2b), so the same records
+split the same way whether they come as .jsonl, .jsonl.gz, .jsonl.zst, Parquet or .txt files, in
+any order, and identical documents always fall on one side.
 
 Workers: --workers processes tokenize chunks of ~1 MB of text in batches (the tokenizers library's
 batch encode, one core each). Shards of --shard-tokens train tokens are written as they fill,

@@ -13,14 +13,19 @@ written there last and the directory renamed to OUT, so OUT is complete or absen
 the same inputs and settings resumes from the last checkpoint (finished shards are kept; the
 open ones are written again), and starts over when they changed.
 
-Documents go to validation by a hash (crc32) of their name: the file's path inside the directory
-given (its own name when given directly or by a glob) and the record's line or row, so where
-the inputs lie or how their paths are typed does not change the split.
+A document goes to validation by a hash of its text (SPLIT: blake2b of its UTF-8 bytes), so the
+split is a property of the document alone: the same records as .jsonl, .jsonl.gz, .jsonl.zst or
+Parquet rows fall the same way, identical documents always on one side, and neither the files'
+names, their order nor where a record sits in them moves a document. A .txt file is one document,
+hashed whole (its bytes, read once before its first piece is sent). The default corpus
+(write_token_dir) keeps its split by file name (crc32), so the runs that trained on it resume on
+the same tokens.
 """
 from __future__ import annotations
 
 import glob
 import gzip
+import hashlib
 import itertools
 import json
 import multiprocessing
@@ -46,6 +51,9 @@ PARQUET_ROWS = 1024
 IN_FLIGHT_PER_WORKER = 2  # chunks queued per worker: enough to keep it busy, a bound on memory
 PROGRESS = "progress.json"
 PROGRESS_EVERY_S = 5.0
+# how a document's split is chosen (index.json's "split" and the settings a resume must find unchanged:
+# a partial directory begun under another rule starts over)
+SPLIT = "blake2b-64 of the document's UTF-8 text < val_fraction * 2^64"
 
 
 def expand_inputs(specs: Iterable[str]) -> list[tuple[Path, str]]:
@@ -84,7 +92,6 @@ def kind_of(path: Path) -> str:
 class Chunk:
     """A run of whole records (or a piece of one .txt document) for one worker task."""
     name: str  # the input file, for messages
-    key: str  # its name for the split (expand_inputs)
     first: int  # records (lines or rows) of the file before this chunk
     kind: str  # "lines": JSON lines as bytes; "rows": Parquet texts; "text": a piece of a .txt document
     payload: object
@@ -155,7 +162,7 @@ def _blobs(f, chunk_bytes: int, whole_lines: bool) -> Iterator[bytes]:
         data = data[cut:]
 
 
-def _line_chunks(fi: int, path: Path, key: str, kind: str, offset: int, record: int, chunk_bytes: int,
+def _line_chunks(fi: int, path: Path, kind: str, offset: int, record: int, chunk_bytes: int,
                  before: int) -> Iterator[Chunk]:
     f, raw = _open_stream(path, kind)
     with f, raw:
@@ -163,27 +170,36 @@ def _line_chunks(fi: int, path: Path, key: str, kind: str, offset: int, record: 
         for blob in _blobs(f, chunk_bytes, whole_lines=True):
             lines = blob.count(b"\n") + (not blob.endswith(b"\n"))
             offset += len(blob)
-            yield Chunk(str(path), key, record, "lines", blob, (fi, offset, record + lines), before + raw.tell())
+            yield Chunk(str(path), record, "lines", blob, (fi, offset, record + lines), before + raw.tell())
             record += lines
 
 
-def _text_chunks(fi: int, path: Path, key: str, offset: int, chunk_bytes: int, before: int, val_fraction: float
+def _text_chunks(fi: int, path: Path, offset: int, chunk_bytes: int, before: int, val_fraction: float
                  ) -> Iterator[Chunk]:
     """One document per .txt file, in pieces at line ends when it is larger than a chunk. Shards
     close only between documents, so a resume starts at a file's beginning or its end."""
     with open(path, "rb") as f:
+        val = offset == 0 and text_in_val(_file_digest(f), val_fraction)
         f.seek(offset)
         pieces = _blobs(f, chunk_bytes, whole_lines=False)
         piece = next(pieces, None)
         while piece is not None:
             following = next(pieces, None)
             offset += len(piece)
-            yield Chunk(str(path), key, 0, "text", piece.decode("utf-8", errors="replace"), (fi, offset, 0),
-                        before + f.tell(), following is None, is_val(key, val_fraction))
+            yield Chunk(str(path), 0, "text", piece.decode("utf-8", errors="replace"), (fi, offset, 0),
+                        before + f.tell(), following is None, val)
             piece = following
 
 
-def _parquet_chunks(fi: int, path: Path, key: str, row: int, field: str, before: int) -> Iterator[Chunk]:
+def _file_digest(f) -> "hashlib.blake2b":
+    """SPLIT's hash of a whole file, read in blocks (a .txt document may be larger than memory allows)."""
+    h = hashlib.blake2b(digest_size=8)
+    for block in iter(lambda: f.read(1 << 24), b""):
+        h.update(block)
+    return h
+
+
+def _parquet_chunks(fi: int, path: Path, row: int, field: str, before: int) -> Iterator[Chunk]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -201,7 +217,7 @@ def _parquet_chunks(fi: int, path: Path, key: str, row: int, field: str, before:
         texts = batch.column(0).to_pylist()[max(row - at, 0):]
         at += batch.num_rows
         if texts:
-            yield Chunk(str(path), key, row, "rows", texts, (fi, at, at), before + size * at // max(total, 1))
+            yield Chunk(str(path), row, "rows", texts, (fi, at, at), before + size * at // max(total, 1))
             row = at
 
 
@@ -211,20 +227,30 @@ def read_chunks(files: list[tuple[Path, str]], start: tuple, chunk_bytes: int, f
     sizes = [f.stat().st_size for f, _ in files]
     for fi in range(start[0], len(files)):
         offset, record = (start[1], start[2]) if fi == start[0] else (0, 0)
-        (path, key), before = files[fi], sum(sizes[:fi])
+        path, before = files[fi][0], sum(sizes[:fi])
         kind = kind_of(path)
         if kind == "parquet":
-            yield from _parquet_chunks(fi, path, key, record, field, before)
+            yield from _parquet_chunks(fi, path, record, field, before)
         elif kind == "text":
-            yield from _text_chunks(fi, path, key, offset, chunk_bytes, before, val_fraction)
+            yield from _text_chunks(fi, path, offset, chunk_bytes, before, val_fraction)
         else:
-            yield from _line_chunks(fi, path, key, kind, offset, record, chunk_bytes, before)
+            yield from _line_chunks(fi, path, kind, offset, record, chunk_bytes, before)
 
 
 # ----------------------------------------------------------------------------- tokenizing (in the workers)
 
-def is_val(name: str, val_fraction: float) -> bool:
-    """A document's split from its name (not its path as typed): crc32 into 100,000 buckets."""
+def text_in_val(text, val_fraction: float) -> bool:
+    """SPLIT: does a document go to validation? `text`: its str, its UTF-8 bytes, or a blake2b
+    (digest_size 8) already fed with them. A pure function of the text: where and how the document
+    is stored never enters, so identical documents share a side."""
+    if isinstance(text, str):
+        text = text.encode("utf-8", errors="surrogatepass")  # a JSON string may hold a lone surrogate escape
+    h = text if hasattr(text, "digest") else hashlib.blake2b(text, digest_size=8)
+    return int.from_bytes(h.digest(), "little") < val_fraction * 2.0 ** 64
+
+
+def name_in_val(name: str, val_fraction: float) -> bool:
+    """The default corpus's split (write_token_dir), from a document's name: crc32 into 100,000 buckets."""
     return (zlib.crc32(name.encode()) % 100_000) < val_fraction * 100_000
 
 
@@ -237,17 +263,16 @@ class Encoder:
         self.field, self.eos_id, self.dtype = field, eos_id, np.dtype(dtype)
         self.val_fraction, self.on_error = val_fraction, on_error
 
-    def records(self, chunk: Chunk) -> tuple[list[str], list[int], list[str]]:
-        """(texts, their 1-based lines or rows, messages of the records that are not a JSON object
-        with a string field)."""
+    def records(self, chunk: Chunk) -> tuple[list[str], list[str]]:
+        """(texts, messages of the records that are not a JSON object with a string field, naming
+        their 1-based line or row)."""
         if chunk.kind == "text":
-            return [chunk.payload], [0], []
+            return [chunk.payload], []
         if chunk.kind == "rows":
             rows = list(enumerate(chunk.payload, chunk.first + 1))
             bad = [f"{chunk.name} row {n} has no {self.field!r} string" for n, t in rows if not isinstance(t, str)]
-            good = [(n, t) for n, t in rows if isinstance(t, str)]
-            return [t for _, t in good], [n for n, _ in good], bad
-        texts, numbers, bad = [], [], []
+            return [t for t in chunk.payload if isinstance(t, str)], bad
+        texts, bad = [], []
         for n, line in enumerate(chunk.payload.split(b"\n"), chunk.first + 1):
             if not line.strip():
                 continue
@@ -257,10 +282,9 @@ class Encoder:
                 text = None
             if isinstance(text, str):
                 texts.append(text)
-                numbers.append(n)
             else:
                 bad.append(f"{chunk.name} line {n} is not a JSON object with a {self.field!r} string")
-        return texts, numbers, bad
+        return texts, bad
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         if self.tok is None:
@@ -270,12 +294,11 @@ class Encoder:
         return [e.ids for e in batch(texts, add_special_tokens=False)]
 
     def __call__(self, chunk: Chunk) -> dict:
-        texts, numbers, bad = self.records(chunk)
+        texts, bad = self.records(chunk)
         if bad and self.on_error == "fail":
             return {"error": bad[0] + " (--on-error skip counts such records and goes on)."}
         out = {"skipped": len(bad), "skipped_examples": bad[:3], "ends_doc": chunk.ends_doc}
-        val = [chunk.is_val] if chunk.kind == "text" else [is_val(f"{chunk.key}:{n}", self.val_fraction)
-                                                            for n in numbers]
+        val = [chunk.is_val] if chunk.kind == "text" else [text_in_val(t, self.val_fraction) for t in texts]
         for split, want in (("train", False), ("val", True)):
             out[split] = self._pack(self.encode([t for t, v in zip(texts, val) if v == want]), chunk.ends_doc)
         return out
@@ -476,7 +499,7 @@ def _settings(inputs: list[tuple[Path, str]], tok_meta: dict, field: str, val_fr
     return {"format": FORMAT, "inputs": [[str(p.resolve()), key, p.stat().st_size, p.stat().st_mtime_ns]
                                          for p, key in inputs],
             "tokenizer": tok_meta, "field": field, "val_fraction": val_fraction, "shard_tokens": shard_tokens,
-            "on_error": on_error}
+            "on_error": on_error, "split": SPLIT}
 
 
 def prepare(files: list[str], out_dir: str, tokenizer_path: Optional[str] = None, jsonl_field: str = "text",
@@ -504,7 +527,7 @@ def prepare(files: list[str], out_dir: str, tokenizer_path: Optional[str] = None
                      chunk_bytes, say)
         head = {"dtype": _dtype(vocab), "vocab_size": vocab, "eos_id": meta["eos_id"], "tokenizer": meta,
                 "skipped": stats["skipped"], "val_fraction": val_fraction,
-                "split": "by crc32 of each document's name: its file's (inside a directory given) and line"}
+                "split": SPLIT}
         return _finish(partial, out, writers, head, tok_files, val_fraction)
     except DataError:
         shutil.rmtree(partial, ignore_errors=True)  # bad input: a rerun would meet it again
@@ -558,7 +581,7 @@ def write_token_dir(out_dir: Path, docs: Iterable[tuple[str, np.ndarray]], vocab
             top = int(ids.max())
             if top >= vocab_size:
                 raise DataError(f"document {name} has token id {top} >= vocab_size {vocab_size}.")
-            w = writers["val" if is_val(name, val_fraction) else "train"]
+            w = writers["val" if name_in_val(name, val_fraction) else "train"]
             w.write(np.append(ids.astype(dtype), np.array([eos_id], dtype=dtype)), 1, max(top, eos_id))
             if w.tokens >= shard_tokens:
                 w.close()
