@@ -265,6 +265,65 @@ def test_progress_says_throughput_and_eta(tmp_path, monkeypatch):
     assert lines and "MB/s" in lines[-1] and "M tokens/s" in lines[-1] and "%" in lines[-1]
 
 
+def test_after_a_resume_the_rate_counts_only_this_sessions_bytes(monkeypatch):
+    """A resume whose first chunk ends at 900 of 1,000 MB, then 10 MB/s: it says 10 MB/s and 5 s
+    left at 950 MB (counting the 900 MB done before gave '207.4 MB/s ... ETA 2 s' with 146 s left)."""
+    monkeypatch.setattr(prep, "PROGRESS_EVERY_S", 5.0)  # a line 5 s and 10 s after the baseline
+    said, now = [], [0.0]
+    progress = prep.Progress(1000 * 10**6, said.append, clock=lambda: now[0])
+    for consumed in range(900, 1001, 10):
+        progress.update(consumed * 10**6, 10**6)
+        now[0] += 1.0
+    assert said == ["95.0% of 1,000 MB, 10.0 MB/s, 1.00M tokens/s, ETA 5 s",
+                    "100.0% of 1,000 MB, 10.0 MB/s, 1.00M tokens/s, ETA 0 s"]
+
+
+def test_sigterm_stops_cleanly_and_the_rerun_resumes_to_the_same_bytes(tmp_path, tok):
+    """A real SIGTERM to a running prepare_data with 2 workers, after its first checkpoint: exit
+    143, one line naming where it stopped and how to resume, no traceback and no leaked semaphore
+    (a silent death left the pool's); the rerun resumes and writes exactly what an uninterrupted
+    run writes."""
+    import os
+    import signal
+    import time
+    docs = toy_documents(2000, seed=3)
+    src = tmp_path / "big.jsonl"
+    with open(src, "w") as f:
+        for i in range(8):  # ~5 MB: about 5 chunks of the tool's 1 MB, each ending in a checkpoint
+            f.writelines(json.dumps({"text": f"{t} {i}"}) + "\n" for t in docs)
+    tool = [sys.executable, str(ROOT / "tools" / "prepare_data.py")]
+    args = [str(src), "--tokenizer", str(tok), "--workers", "2", "--shard-tokens", "50000"]
+    out = tmp_path / "out"
+    proc = subprocess.Popen(tool + [str(out)] + args, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    progress, deadline = out.with_name("out.partial") / "progress.json", time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:  # wait for the first checkpoint
+        try:
+            if json.loads(progress.read_text())["shards"]["train"]:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.02)
+    assert proc.poll() is None, "prepare_data finished before it could be stopped"
+    os.kill(proc.pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    lines = stderr.strip().splitlines()
+    assert "Traceback" not in stderr and "leaked" not in stderr and "semaphore" not in stderr, stderr
+    assert lines[-1].startswith("prepare_data: stopped by SIGTERM at ") and "% of the input" in lines[-1]
+    assert f"run the same command again to resume from {out}.partial, which keeps" in lines[-1], lines[-1]
+    assert not out.exists()
+    resumed = subprocess.run(tool + [str(out)] + args, env=env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and "resuming" in resumed.stderr, resumed.stderr
+    whole = subprocess.run(tool + [str(tmp_path / "whole")] + args, env=env(), capture_output=True, text=True,
+                           timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    names = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert sorted(p.name for p in out.iterdir()) == names and len(names) > 6
+    for name in names:
+        assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+
 def test_a_text_file_larger_than_a_chunk_is_one_document_cut_between_characters(tmp_path):
     text = "héllo wörld ✓ naïve " * 300 + "\n" + "x" * 500  # multi-byte characters, a long last line
     (tmp_path / "big.txt").write_text(text)

@@ -27,24 +27,39 @@ worker) and the tokenizer: 389 MB for the whole process tree with 2 workers and 
 a 500 MB JSONL, 343 MB on 100 MB (docs/BENCHMARKS_data.md).
 
 Interruption: the work happens in OUT_DIR.partial, renamed to OUT_DIR only when complete.
-Rerunning the same command resumes after the last finished shard; changed inputs or
-settings start it over.
+SIGTERM or Ctrl-C stops it with one line saying where (the workers are shut down first; exit
+143 or 130). Rerunning the same command resumes after the last finished shard, and writes
+exactly what an uninterrupted run writes; changed inputs or settings start it over.
 
 Point a run at the result with `--set data.path=OUT_DIR`: model.vocab_size=auto (the default)
 follows the data's vocabulary.
 """
 import argparse
+import signal
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_trainer.data import DataError, prepare  # noqa: E402
-from moe_trainer.data.prepare import SHARD_TOKENS  # noqa: E402
+from moe_trainer.data.prepare import SHARD_TOKENS, Interrupted  # noqa: E402
 
 
 def say(line: str) -> None:
     print(f"prepare_data: {line}", file=sys.stderr, flush=True)
+
+
+RECEIVED: list = []  # the signal that stopped the run
+
+
+def stop_on(signum, frame) -> None:
+    """SIGTERM (a scheduler, kill) as SIGINT is: an exception that unwinds, so the worker pool is
+    shut down and its semaphores released, instead of a silent death that leaks them. Repeats are
+    ignored while that shutdown runs (it takes milliseconds)."""
+    RECEIVED.append(signum)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def main(argv=None) -> int:
@@ -64,15 +79,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.workers < 1 or args.shard_tokens < 1:
         ap.error("--workers and --shard-tokens must be at least 1")
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop_on)
     try:
         index = prepare(args.files, args.out_dir, args.tokenizer, args.field, args.val_fraction, args.eos_token,
                         workers=args.workers, shard_tokens=args.shard_tokens, on_error=args.on_error, say=say)
     except (DataError, OSError, UnicodeDecodeError) as e:
         say(str(e))
         return 2
-    except KeyboardInterrupt:
-        say(f"interrupted; run the same command again to resume from {args.out_dir}.partial")
-        return 130
+    except KeyboardInterrupt as e:  # prepare's Interrupted says where it stopped
+        say(str(e) if isinstance(e, Interrupted) else
+            f"stopped by {e or 'an interrupt'}; run the same command again to resume from {args.out_dir}.partial.")
+        return 128 + (RECEIVED[0] if RECEIVED else signal.SIGINT)
     s = index["splits"]
     tok = index["tokenizer"]
     skipped = f", {index['skipped']} malformed records skipped" if index["skipped"] else ""

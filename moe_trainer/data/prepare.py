@@ -13,28 +13,25 @@ written there last and the directory renamed to OUT, so OUT is complete or absen
 the same inputs and settings resumes from the last checkpoint (finished shards are kept; the
 open ones are written again), and starts over when they changed.
 
-A document goes to validation by a hash of its text (SPLIT: blake2b of its UTF-8 bytes), so the
-split is a property of the document alone: the same records as .jsonl, .jsonl.gz, .jsonl.zst or
-Parquet rows fall the same way, identical documents always on one side, and neither the files'
-names, their order nor where a record sits in them moves a document. A .txt file is one document,
-hashed whole (its bytes, read once before its first piece is sent). The default corpus
-(write_token_dir) keeps its split by file name (crc32), so the runs that trained on it resume on
-the same tokens.
+A document goes to validation by a hash of its text (inputs.SPLIT: blake2b of its UTF-8 bytes),
+so the split is a property of the document alone: the same records as .jsonl, .jsonl.gz,
+.jsonl.zst or Parquet rows fall the same way, identical documents always on one side, and
+neither the files' names, their order nor where a record sits in them moves a document. A .txt
+file is one document, hashed whole (its bytes, read once before its first piece is sent). The
+default corpus (write_token_dir) keeps its split by file name (crc32), so the runs that trained
+on it resume on the same tokens.
 """
 from __future__ import annotations
 
-import glob
-import gzip
-import hashlib
 import itertools
 import json
 import multiprocessing
 import os
 import shutil
+import signal
 import time
-import zlib
 from collections import deque
-from dataclasses import dataclass
+from contextlib import closing
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -42,217 +39,16 @@ import numpy as np
 
 from .errors import DataError
 from .formats import FORMAT
+from .inputs import CHUNK_BYTES, SPLIT, Chunk, expand_inputs, name_in_val, read_chunks, text_in_val
 from .tokenizer import byte_tokenize, describe_tokenizer, load_tokenizer
 
-SUFFIXES = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".json", ".parquet", ".txt")
-CHUNK_BYTES = 1 << 20  # text per task: ~1 MB, a few tens of MB of encodings in a worker
 SHARD_TOKENS = 1 << 28  # 268M tokens per train shard (512 MB as uint16)
-PARQUET_ROWS = 1024
 IN_FLIGHT_PER_WORKER = 2  # chunks queued per worker: enough to keep it busy, a bound on memory
 PROGRESS = "progress.json"
 PROGRESS_EVERY_S = 5.0
-# how a document's split is chosen (index.json's "split" and the settings a resume must find unchanged:
-# a partial directory begun under another rule starts over)
-SPLIT = "blake2b-64 of the document's UTF-8 text < val_fraction * 2^64"
-
-
-def expand_inputs(specs: Iterable[str]) -> list[tuple[Path, str]]:
-    """Files, directories (their files with a known suffix, recursively) and globs -> sorted
-    (file, name): the name is the path inside a directory given, else the file's own name."""
-    out = []
-    for spec in specs:
-        p = Path(spec)
-        if p.is_dir():
-            found = [(f, f.relative_to(p).as_posix()) for f in sorted(p.rglob("*"))
-                     if f.is_file() and f.name.endswith(SUFFIXES)]
-        elif p.is_file():
-            found = [(p, p.name)]
-        elif glob.has_magic(spec):
-            found = [(Path(f), Path(f).name) for f in sorted(glob.glob(spec, recursive=True)) if Path(f).is_file()]
-        else:
-            raise DataError(f"input file {spec} does not exist.")
-        if not found:
-            raise DataError(f"input {spec} names no .txt, .jsonl, .jsonl.gz, .jsonl.zst or .parquet file.")
-        out.extend(found)
-    return out
-
-
-def kind_of(path: Path) -> str:
-    """How a file is read: JSON lines (plain or compressed), Parquet rows, or one text document."""
-    for suffix, kind in ((".jsonl.gz", "gz"), (".jsonl.zst", "zst"), (".jsonl", "lines"), (".json", "lines"),
-                         (".parquet", "parquet")):
-        if path.name.endswith(suffix):
-            return kind
-    return "text"
-
-
-# ----------------------------------------------------------------------------- reading the inputs
-
-@dataclass
-class Chunk:
-    """A run of whole records (or a piece of one .txt document) for one worker task."""
-    name: str  # the input file, for messages
-    first: int  # records (lines or rows) of the file before this chunk
-    kind: str  # "lines": JSON lines as bytes; "rows": Parquet texts; "text": a piece of a .txt document
-    payload: object
-    end: tuple  # (file, offset, record) where the next chunk starts: the resume point after this one
-    consumed: int  # input bytes read through this chunk, for progress
-    ends_doc: bool = True  # False for a .txt piece whose document goes on in the next chunk
-    is_val: bool = False  # "text": the document's split, from its first piece
-
-
-def _open_stream(path: Path, kind: str):
-    """(decompressed binary stream, the raw file whose tell() measures progress)."""
-    raw = open(path, "rb")
-    if kind == "gz":
-        return gzip.GzipFile(fileobj=raw), raw
-    if kind == "zst":
-        try:
-            import zstandard
-        except ImportError:
-            raw.close()
-            raise DataError(f"{path} needs the zstandard package (pip install -e '.[data]').") from None
-        return zstandard.ZstdDecompressor().stream_reader(raw), raw
-    return raw, raw
-
-
-def _skip(f, offset: int) -> None:
-    """Forward to `offset` of a decompressed stream (a resume: decompressing is cheap, tokenizing is not)."""
-    if f.seekable() and not isinstance(f, gzip.GzipFile):
-        f.seek(offset)
-        return
-    while offset > 0:
-        got = len(f.read(min(offset, 1 << 24)))
-        if got == 0:
-            break
-        offset -= got
-
-
-def _utf8_end(data: bytes) -> int:
-    """len(data) less a UTF-8 character cut short at its end."""
-    for k in range(1, min(4, len(data)) + 1):
-        b = data[-k]
-        if b & 0xC0 != 0x80:  # ASCII or a lead byte: the last character starts here
-            size = 1 if b < 0x80 else 2 if b < 0xE0 else 3 if b < 0xF0 else 4
-            return len(data) - k if size > k else len(data)
-    return len(data)
-
-
-def _blobs(f, chunk_bytes: int, whole_lines: bool) -> Iterator[bytes]:
-    """Blocks ending at a newline: each the stream's next chunk_bytes cut after its last newline, so
-    where the blocks fall depends only on where the first one starts (a resume cuts as the first
-    run did). A line longer than that is kept whole when `whole_lines` (a JSON record), else cut
-    where a UTF-8 character starts."""
-    data = b""
-    while True:
-        block = f.read(chunk_bytes - len(data) if len(data) < chunk_bytes else chunk_bytes)
-        data += block
-        if not block:
-            if data:
-                yield data
-            return
-        if len(data) < chunk_bytes:
-            continue  # a short read: fill the window first
-        cut = data.rfind(b"\n") + 1
-        if cut == 0 and not whole_lines:
-            cut = _utf8_end(data)
-        if cut == 0:
-            continue  # a record longer than the window: read on
-        yield data[:cut]
-        data = data[cut:]
-
-
-def _line_chunks(fi: int, path: Path, kind: str, offset: int, record: int, chunk_bytes: int,
-                 before: int) -> Iterator[Chunk]:
-    f, raw = _open_stream(path, kind)
-    with f, raw:
-        _skip(f, offset)
-        for blob in _blobs(f, chunk_bytes, whole_lines=True):
-            lines = blob.count(b"\n") + (not blob.endswith(b"\n"))
-            offset += len(blob)
-            yield Chunk(str(path), record, "lines", blob, (fi, offset, record + lines), before + raw.tell())
-            record += lines
-
-
-def _text_chunks(fi: int, path: Path, offset: int, chunk_bytes: int, before: int, val_fraction: float
-                 ) -> Iterator[Chunk]:
-    """One document per .txt file, in pieces at line ends when it is larger than a chunk. Shards
-    close only between documents, so a resume starts at a file's beginning or its end."""
-    with open(path, "rb") as f:
-        val = offset == 0 and text_in_val(_file_digest(f), val_fraction)
-        f.seek(offset)
-        pieces = _blobs(f, chunk_bytes, whole_lines=False)
-        piece = next(pieces, None)
-        while piece is not None:
-            following = next(pieces, None)
-            offset += len(piece)
-            yield Chunk(str(path), 0, "text", piece.decode("utf-8", errors="replace"), (fi, offset, 0),
-                        before + f.tell(), following is None, val)
-            piece = following
-
-
-def _file_digest(f) -> "hashlib.blake2b":
-    """SPLIT's hash of a whole file, read in blocks (a .txt document may be larger than memory allows)."""
-    h = hashlib.blake2b(digest_size=8)
-    for block in iter(lambda: f.read(1 << 24), b""):
-        h.update(block)
-    return h
-
-
-def _parquet_chunks(fi: int, path: Path, row: int, field: str, before: int) -> Iterator[Chunk]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{path} needs the pyarrow package (pip install -e '.[data]').") from None
-    pf = pq.ParquetFile(path)
-    if field not in pf.schema_arrow.names:
-        raise DataError(f"{path} has no column {field!r} (it has {', '.join(pf.schema_arrow.names)}); name the "
-                        f"text column with --field.")
-    total, size = pf.metadata.num_rows, path.stat().st_size
-    starts = np.cumsum([0] + [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
-    group = int(np.searchsorted(starts, row, side="right")) - 1  # the row group holding `row`
-    at = int(starts[max(group, 0)])
-    for batch in pf.iter_batches(batch_size=PARQUET_ROWS, row_groups=range(max(group, 0), pf.num_row_groups),
-                                 columns=[field]):
-        texts = batch.column(0).to_pylist()[max(row - at, 0):]
-        at += batch.num_rows
-        if texts:
-            yield Chunk(str(path), row, "rows", texts, (fi, at, at), before + size * at // max(total, 1))
-            row = at
-
-
-def read_chunks(files: list[tuple[Path, str]], start: tuple, chunk_bytes: int, field: str, val_fraction: float
-                ) -> Iterator[Chunk]:
-    """The inputs from position `start` = (file, offset, record) on, as chunks in input order."""
-    sizes = [f.stat().st_size for f, _ in files]
-    for fi in range(start[0], len(files)):
-        offset, record = (start[1], start[2]) if fi == start[0] else (0, 0)
-        path, before = files[fi][0], sum(sizes[:fi])
-        kind = kind_of(path)
-        if kind == "parquet":
-            yield from _parquet_chunks(fi, path, record, field, before)
-        elif kind == "text":
-            yield from _text_chunks(fi, path, offset, chunk_bytes, before, val_fraction)
-        else:
-            yield from _line_chunks(fi, path, kind, offset, record, chunk_bytes, before)
 
 
 # ----------------------------------------------------------------------------- tokenizing (in the workers)
-
-def text_in_val(text, val_fraction: float) -> bool:
-    """SPLIT: does a document go to validation? `text`: its str, its UTF-8 bytes, or a blake2b
-    (digest_size 8) already fed with them. A pure function of the text: where and how the document
-    is stored never enters, so identical documents share a side."""
-    if isinstance(text, str):
-        text = text.encode("utf-8", errors="surrogatepass")  # a JSON string may hold a lone surrogate escape
-    h = text if hasattr(text, "digest") else hashlib.blake2b(text, digest_size=8)
-    return int.from_bytes(h.digest(), "little") < val_fraction * 2.0 ** 64
-
-
-def name_in_val(name: str, val_fraction: float) -> bool:
-    """The default corpus's split (write_token_dir), from a document's name: crc32 into 100,000 buckets."""
-    return (zlib.crc32(name.encode()) % 100_000) < val_fraction * 100_000
-
 
 class Encoder:
     """Chunk -> its documents' ids per split, ended by EOS; bad records reported or counted."""
@@ -319,6 +115,9 @@ _WORKER: dict = {}  # the worker process's Encoder, made once by _init_worker (t
 
 def _init_worker(args: tuple) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers is the parallelism
+    # Ctrl-C reaches the whole process group: the main process stops the pool (a worker's own
+    # KeyboardInterrupt would print its traceback and leave the pool half alive)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER["encoder"] = Encoder(*args)
 
 
@@ -452,23 +251,32 @@ def _dtype(vocab_size: int) -> str:
 # ----------------------------------------------------------------------------- the preparation
 
 class Progress:
-    """Throughput and ETA, said every PROGRESS_EVERY_S seconds."""
+    """Throughput and ETA, said every PROGRESS_EVERY_S seconds. The rate counts this session's
+    bytes only: from the first chunk it finished (a resume's first chunk already stands far into
+    the inputs), so the ETA is the bytes left at that rate."""
 
-    def __init__(self, total_bytes: int, done_bytes: int, say: Callable[[str], None]):
-        self.total, self.start_bytes, self.say = total_bytes, done_bytes, say
-        self.t0 = self.last = time.monotonic()
-        self.tokens = 0
+    def __init__(self, total_bytes: int, say: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
+        self.total, self.say, self.clock = total_bytes, say, clock
+        self.t0 = self.last = self.start_bytes = None
+        self.tokens, self.consumed = 0, 0
 
     def update(self, consumed: int, tokens: int) -> None:
+        now, self.consumed = self.clock(), consumed
+        if self.t0 is None:  # the baseline: where this session's first finished chunk ends
+            self.t0 = self.last = now
+            self.start_bytes = consumed
+            return
         self.tokens += tokens
-        now = time.monotonic()
         if now - self.last < PROGRESS_EVERY_S:
             return
         self.last, dt = now, max(now - self.t0, 1e-9)
         rate = (consumed - self.start_bytes) / dt  # input bytes/s
-        eta = (self.total - consumed) / rate if rate > 0 else float("inf")
-        self.say(f"{100 * consumed / max(self.total, 1):.1f}% of {self.total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, "
-                 f"{self.tokens / dt / 1e6:.2f}M tokens/s, ETA {eta:.0f} s")
+        eta = f"ETA {(self.total - consumed) / rate:.0f} s" if rate > 0 else "no ETA yet"
+        self.say(f"{self.done()} of {self.total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, "
+                 f"{self.tokens / dt / 1e6:.2f}M tokens/s, {eta}")
+
+    def done(self) -> str:
+        return f"{100 * self.consumed / max(self.total, 1):.1f}%"
 
 
 def _encoded(chunks: Iterator[Chunk], workers: int, encoder_args: tuple) -> Iterator[tuple[Chunk, dict]]:
@@ -522,9 +330,10 @@ def prepare(files: list[str], out_dir: str, tokenizer_path: Optional[str] = None
     settings = _settings(inputs, meta, jsonl_field, val_fraction, shard_tokens, on_error)
     state = _begin(partial, settings, say)
     writers = {s: ShardWriter(partial, s, state["shards"][s]) for s in ("train", "val")}
+    progress = Progress(sum(p.stat().st_size for p, _ in inputs), say)
     try:
         stats = _run(inputs, partial, writers, state, settings, vocab, tokenizer_path, meta["eos_id"], workers,
-                     chunk_bytes, say)
+                     chunk_bytes, say, progress)
         head = {"dtype": _dtype(vocab), "vocab_size": vocab, "eos_id": meta["eos_id"], "tokenizer": meta,
                 "skipped": stats["skipped"], "val_fraction": val_fraction,
                 "split": SPLIT}
@@ -532,32 +341,56 @@ def prepare(files: list[str], out_dir: str, tokenizer_path: Optional[str] = None
     except DataError:
         shutil.rmtree(partial, ignore_errors=True)  # bad input: a rerun would meet it again
         raise
+    except KeyboardInterrupt as e:  # SIGINT, or a signal the caller turned into one (tools/prepare_data.py)
+        raise Interrupted(stopped_sentence(str(e) or "an interrupt", progress, partial, len(inputs))) from None
 
 
-def _run(inputs, partial, writers, state, settings, vocab, tokenizer_path, eos_id, workers, chunk_bytes, say
-         ) -> dict:
-    """Encode and write from the recorded position on; a checkpoint whenever the train shard fills."""
+class Interrupted(KeyboardInterrupt):
+    """prepare() stopped by a signal; its message says where, and that the same command resumes."""
+
+
+def stopped_sentence(what: str, progress: Progress, partial: Path, files: int) -> str:
+    """Where an interrupted preparation stopped and where a rerun picks up (the last checkpoint)."""
+    try:
+        state = json.loads((partial / PROGRESS).read_text())
+        kept, (fi, _, record) = len(state["shards"]["train"]), state["position"]
+        resume = (f"which keeps {kept} finished train shard{'s' if kept != 1 else ''} and goes on from input "
+                  f"file {fi + 1} of {files}, record {record + 1}")
+    except (OSError, ValueError, KeyError):
+        resume = "from the start"
+    return (f"stopped by {what} at {progress.done()} of the input; the worker processes are shut down; run the "
+            f"same command again to resume from {partial}, {resume}.")
+
+
+def _run(inputs, partial, writers, state, settings, vocab, tokenizer_path, eos_id, workers, chunk_bytes, say,
+         progress: Progress) -> dict:
+    """Encode and write from the recorded position on; a checkpoint whenever the train shard fills.
+    Whatever ends it (an error, an interrupt), the worker pool is shut down on the way out."""
     stats = dict(state["stats"])
-    position = tuple(state["position"])
-    total = sum(p.stat().st_size for p, _ in inputs)
-    done = sum(p.stat().st_size for p, _ in inputs[:position[0]])
-    progress = Progress(total, done, say)
     args = (tokenizer_path, settings["field"], eos_id, _dtype(vocab), settings["val_fraction"], settings["on_error"])
-    chunks = read_chunks(inputs, position, chunk_bytes, settings["field"], settings["val_fraction"])
-    for chunk, enc in _encoded(chunks, workers, args):
-        if "error" in enc:
-            raise DataError(enc["error"])
-        for split, w in writers.items():
-            w.write(*enc[split])
-        for example in enc["skipped_examples"][:max(0, 3 - stats["skipped"])]:
-            say(f"skipped: {example}")
-        stats["skipped"] += enc["skipped"]
-        tokens = len(enc["train"][0]) + len(enc["val"][0])
-        stats["tokens"] += tokens
-        progress.update(chunk.consumed, tokens)
-        if enc["ends_doc"] and writers["train"].tokens >= settings["shard_tokens"]:
-            _checkpoint(partial, writers, settings, chunk.end, stats)
+    chunks = read_chunks(inputs, tuple(state["position"]), chunk_bytes, settings["field"], settings["val_fraction"])
+    with closing(_encoded(chunks, workers, args)) as encoded:
+        for chunk, enc in encoded:
+            _take(chunk, enc, partial, writers, settings, stats, progress, say)
     return stats
+
+
+def _take(chunk: Chunk, enc: dict, partial: Path, writers: dict, settings: dict, stats: dict, progress: Progress,
+          say: Callable[[str], None]) -> None:
+    """One encoded chunk: its ids appended to the open shards, its counts, and a checkpoint when
+    the train shard is full."""
+    if "error" in enc:
+        raise DataError(enc["error"])
+    for split, w in writers.items():
+        w.write(*enc[split])
+    for example in enc["skipped_examples"][:max(0, 3 - stats["skipped"])]:
+        say(f"skipped: {example}")
+    stats["skipped"] += enc["skipped"]
+    tokens = len(enc["train"][0]) + len(enc["val"][0])
+    stats["tokens"] += tokens
+    progress.update(chunk.consumed, tokens)
+    if enc["ends_doc"] and writers["train"].tokens >= settings["shard_tokens"]:
+        _checkpoint(partial, writers, settings, chunk.end, stats)
 
 
 # ----------------------------------------------------------------------------- ids already made (the default corpus)
