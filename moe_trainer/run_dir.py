@@ -366,6 +366,33 @@ def copy_tokenizer(src: Optional[Path], dst: Path) -> list[str]:
     return copied
 
 
+def before_launch(out: Path) -> tuple[Optional[Path], set]:
+    """What a launch finds of its run directory: (the outermost of its directories that does not
+    exist yet, None when it exists; the names it holds), for undo_refused_start."""
+    missing, p = None, Path(out).absolute()
+    while not p.exists():
+        missing, p = p, p.parent
+    return missing, (set(os.listdir(out)) if missing is None else set())
+
+
+def undo_refused_start(out: Path, before: tuple[Optional[Path], set], ours: tuple = ()) -> None:
+    """After a start refused as bad input (exit 2): when the only new entries of the run directory
+    are the launch wrapper's own (`ours`: its log), they go, and so do the directories the launch
+    made for them, so a refused start leaves no run directory that holds nothing of a run. Anything
+    a rank wrote keeps it all."""
+    missing, held = before
+    out = Path(out).absolute()
+    new = set(os.listdir(out)) - held if out.is_dir() else set()
+    if not new <= set(ours):
+        return
+    for name in new:
+        (out / name).unlink(missing_ok=True)
+    d = out
+    while missing is not None and d != missing.parent and d.is_dir() and not any(d.iterdir()):
+        d.rmdir()  # only empty directories: another run may have made a sibling meanwhile
+        d = d.parent
+
+
 # a finished run's checkpoint up to this size is verified before any launcher (sha256 at ~1 GB/s);
 # a larger one is left to the ranks, which check the files they read in parallel (Trainer)
 VERIFY_BEFORE_LAUNCH_BYTES = 4 << 30
@@ -465,4 +492,5 @@ def print_lines(lines: list[str], stream=sys.stdout) -> None:
 
 __all__ = ["RESUMABLE", "HISTORY", "Start", "plan_start", "nothing_left", "finished_sentence", "merge_for_resume",
            "record_start", "set_aside_records", "check_shared", "banner",
-           "parameter_counts", "copy_tokenizer", "describe", "resumable", "runtime"]
+           "parameter_counts", "copy_tokenizer", "describe", "resumable", "runtime", "before_launch",
+           "undo_refused_start"]

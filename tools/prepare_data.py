@@ -62,7 +62,7 @@ def stop_on(signum, frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir", help="directory to write (replaced atomically)")
     ap.add_argument("files", nargs="+", help="files, directories or globs (.txt, .jsonl[.gz|.zst], .parquet)")
@@ -76,6 +76,11 @@ def main(argv=None) -> int:
     ap.add_argument("--on-error", choices=("fail", "skip"), default="fail",
                     help="a line that is not JSON or a record without the text field: stop with its file and "
                          "line (fail, the default), or count it in the index and go on (skip)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.workers < 1 or args.shard_tokens < 1:
         ap.error("--workers and --shard-tokens must be at least 1")
