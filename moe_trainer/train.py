@@ -5,8 +5,10 @@ Also works with torchrun, or as a plain single process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
+import io
 import os
 import socket
 import sys
@@ -54,11 +56,82 @@ def keep_build_cache_per_environment(environ=os.environ) -> None:
         environ["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")
 
 
+def extension_dir(name: str) -> Path:
+    """Where torch.utils.cpp_extension JIT-builds extension `name` (as its _get_build_directory
+    decides, without making it): TORCH_EXTENSIONS_DIR/name, else the per-user cache's
+    py<version>_<cpu|cuXY|rocmXY>/name."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        v = torch.version
+        accel = f"rocm{v.hip.replace('.', '')}" if v.hip else f"cu{v.cuda.replace('.', '')}" if v.cuda else "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(get_default_build_root(), f"{python}_{accel}")
+    return Path(root) / name
+
+
 def deepspeed_op_built(name: str = "deepspeed_shm_comm") -> bool:
     """Is DeepSpeed's JIT op `name` in the extension cache (so loading it takes a moment, not a build)?"""
-    from torch.utils.cpp_extension import get_default_build_root
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    return any(root.glob(f"*/{name}/{name}.so"))
+    return (extension_dir(name) / f"{name}.so").is_file()
+
+
+def build_cpu_kernels(say) -> None:
+    """Our fused CPU kernels (kernels/cpu/extension.py), built or loaded; `say` announces a build."""
+    from .kernels.cpu.extension import build_dir, enabled, kernels
+    if enabled() and not (build_dir() / "moe_trainer_cpu_kernels.so").is_file():
+        say(f"building moe_trainer's fused CPU kernels (once per checkout and machine, about 20 s) into {build_dir()}")
+    kernels()
+
+
+def announce_deepspeed_op(say) -> None:
+    if not deepspeed_op_built():
+        say(f"building DeepSpeed's shared-memory op (once per environment, about 40 s) into "
+            f"{extension_dir('deepspeed_shm_comm').parent}")
+
+
+def build_ops(say=lambda line: print(line, flush=True)) -> None:
+    """Before a job (scripts/_env.sh): our CPU kernels and DeepSpeed's shared-memory op, each
+    announced only when it is not built yet, so a job's ranks never race to build them."""
+    build_cpu_kernels(say)
+    announce_deepspeed_op(say)
+    from deepspeed.accelerator import get_accelerator
+    get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+
+
+# DeepSpeed's init_distributed prints "DeepSpeed ...deepspeed_shm_comm_op built successfully" on every CPU rank at
+# every start, built or loaded from the cache: the console gets it from each node's first rank only
+DEEPSPEED_OP_LINE = "built successfully"
+
+
+class _DropLines(io.TextIOBase):
+    """A stdout that passes whole lines on, except those holding `text`."""
+
+    def __init__(self, out, text: str):
+        self.out, self.text, self.held = out, text, ""
+
+    def write(self, s: str) -> int:
+        *lines, self.held = (self.held + s).split("\n")
+        for line in lines:
+            if self.text not in line:
+                self.out.write(line + "\n")
+        return len(s)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+@contextlib.contextmanager
+def printed_once_per_node(text: str, first_here: bool):
+    """Inside the block, lines printed holding `text` reach the console from this node's first rank only."""
+    if first_here:
+        yield
+        return
+    quiet = _DropLines(sys.stdout, text)
+    with contextlib.redirect_stdout(quiet):
+        yield
+    if quiet.held and text not in quiet.held:
+        sys.stdout.write(quiet.held)
 
 
 def local_world_size() -> int:
@@ -122,13 +195,14 @@ def make_trainer(cfg, layout, start=None):
     if device.type == "cpu" and cfg.train.keep_freed_memory:
         from .kernels.cpu.allocator import keep_freed_memory
         keep_freed_memory()
-    if backend.name == "cpu":  # build (first run on a machine, ~20 s) before any collective can wait on it
-        from .kernels.cpu.extension import kernels as build_cpu_kernels
-        build_cpu_kernels()
-    if device.type == "cpu" and int(os.environ.get("RANK", 0)) == 0 and not deepspeed_op_built():
-        print(f"building DeepSpeed's shared-memory op (once per environment, about 40 s) into "
-              f"{os.environ.get('TORCH_EXTENSIONS_DIR', '~/.cache/torch_extensions')}", flush=True)
-    join_distributed(cfg.parallel.timeout_s)
+    first_here = local_rank == 0  # says what this node builds (the others wait on the build's lock)
+    say = (lambda line: print(line, flush=True)) if first_here else (lambda line: None)
+    if backend.name == "cpu":  # built before any collective can wait on it
+        build_cpu_kernels(say)
+    if device.type == "cpu":  # init_distributed builds it
+        announce_deepspeed_op(say)
+    with printed_once_per_node(DEEPSPEED_OP_LINE, first_here):
+        join_distributed(cfg.parallel.timeout_s)
     return Trainer(cfg, build_mesh(layout, int(os.environ["RANK"]), timeout_s=cfg.parallel.timeout_s), device, start)
 
 

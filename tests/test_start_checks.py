@@ -197,3 +197,38 @@ def test_a_refused_start_leaves_no_run_directory_behind(bpe, tmp_path):
     (out / "notes.txt").write_text("mine")
     proc = launch(1, out, [], config=config, launcher="python", max_restarts=0, timeout=180)
     assert proc.returncode == 2 and [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_the_deepspeed_op_is_found_where_torch_builds_it(tmp_path, monkeypatch):
+    """TORCH_EXTENSIONS_DIR/NAME/NAME.so (the check looked one directory deeper, so every start said
+    it was building an op that was cached), else the per-user cache's py<version>_cpu/NAME."""
+    name = "deepspeed_shm_comm"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "env"))
+    assert not train.deepspeed_op_built()
+    (tmp_path / "env" / "other" / name).mkdir(parents=True)
+    (tmp_path / "env" / "other" / name / f"{name}.so").write_bytes(b"")
+    assert not train.deepspeed_op_built()  # another build folder's copy is not this one's
+    (tmp_path / "env" / name).mkdir()
+    (tmp_path / "env" / name / f"{name}.so").write_bytes(b"")
+    assert train.deepspeed_op_built()
+    import torch.utils.cpp_extension as cpp
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setattr(cpp, "get_default_build_root", lambda: str(tmp_path / "user"))
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    assert train.extension_dir(name) == tmp_path / "user" / f"{python}_cpu" / name
+    # torch's own answer, where it makes the directory (in the temporary root)
+    assert str(train.extension_dir(name)) == cpp._get_build_directory(name, verbose=False)
+
+
+def test_deepspeeds_per_rank_line_reaches_the_console_once_per_node(capsys):
+    """init_distributed's 'built successfully' (printed by every rank, cached or not) from a node's first
+    rank only; every other line, whole, from every rank."""
+    for first in (True, False):
+        with train.printed_once_per_node(train.DEEPSPEED_OP_LINE, first):
+            print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+            print("a line", "in parts")
+            print("tail without newline", end="")
+        print()
+    assert capsys.readouterr().out.splitlines() == [
+        "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully", "a line in parts",
+        "tail without newline", "a line in parts", "tail without newline"]
