@@ -77,8 +77,12 @@ class Start:
 
 
 def _load_saved(path: Path) -> Config:
+    from .data.loader import derived_tokenizer
     try:
-        return config_from_dict(yaml.safe_load(path.read_text()) or {})
+        tree = yaml.safe_load(path.read_text()) or {}
+        if isinstance(tree.get("data"), dict) and derived_tokenizer(tree["data"]):
+            tree["data"]["tokenizer"] = ""  # recorded from data.path at start (train.plan_run): derived again
+        return config_from_dict(tree)
     except (yaml.YAMLError, OSError) as e:
         raise ConfigError(f"the run directory's {path} is unreadable ({str(e).splitlines()[0]}); move it away "
                           f"to start over.") from None
@@ -455,6 +459,7 @@ def banner(trainer, start: Start) -> str:
     splits, tok = index["splits"], index.get("tokenizer", {})
     eos = tok.get("eos_token") or BYTE_SPECIALS.get(tok.get("eos_id"), tok.get("eos_id"))  # older indexes: an id
     data = cfg.data.path or "the default corpus (standard-library .py files as bytes)"
+    tokenizer = cfg.data.tokenizer or ("byte-level" if tok.get("type") == "bytes" else "the data's own")
     if cfg.data.sources:
         data = "mixture " + ", ".join(f"{e['name']} {e['weight']:g} ({e['path']})" for e in cfg.data.sources)
     if trainer.resume_from is not None:  # start.checkpoint unless the ranks' checksums refused it
@@ -475,7 +480,7 @@ def banner(trainer, start: Start) -> str:
         f"{_count(mine)} on this rank (rank 0); vocab {m.vocab_size}",
         f"tokens per step {tokens:,} ({t.global_batch_size} sequences x {t.seq_len}); {t.max_steps} steps",
         f"data {data}: {splits['train']['num_tokens']:,} train / {splits['val']['num_tokens']:,} val tokens, "
-        f"vocab {index['vocab_size']}, documents end with {eos!r}",
+        f"tokenizer {tokenizer}, vocab {index['vocab_size']}, documents end with {eos!r}",
         f"start: {source}",
         f"MFU peak {trainer.peak:.3g} TFLOP/s per rank ({trainer.peak_source})",
         f"run directory {out}  (config history: {HISTORY})",

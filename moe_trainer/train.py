@@ -19,6 +19,7 @@ from pathlib import Path
 from .checkpoint import CheckpointError
 from .config import ConfigError, DataVocabError, given_values, load_config, validate_layout
 from .data import DataError
+from .data.loader import derived_tokenizer, resolve_tokenizer
 from .hf import HFFormatError
 
 
@@ -314,13 +315,13 @@ def plan_run(args, rank: int, warn: bool = True):
     config = args.config or DEFAULT_CONFIG
     start = None
     try:  # the config as the command gives it, enough to find the checkpoint
-        cfg = load_config(config, args.overrides, check_data=True)
+        cfg = _command_config(config, args.overrides, check_data=True)
         start = plan_start(cfg, given, warn=warn and rank == 0)
     except DataVocabError:
         # the command alone cannot resolve vocab_size auto, as on a resume whose data keys are the saved
         # config.yaml's (a mixture's data.tokenizer): the merge resolves it; not a resume: decided below
         try:
-            cfg = load_config(config, args.overrides, resolve_data=False)
+            cfg = _command_config(config, args.overrides, resolve_data=False)
         except ConfigError:
             cfg = None
         start = plan_start(cfg, given, warn=warn and rank == 0) if cfg is not None else None
@@ -328,14 +329,24 @@ def plan_run(args, rank: int, warn: bool = True):
     except ConfigError:
         pass  # e.g. a model section that only the init_from directory's config.json completes: decided below
     if start is None or (not start.from_saved and cfg.train.init_from):  # else the first reading stands
-        cfg = load_config(config, args.overrides, check_data=True, read_init_from=True)
+        cfg = _command_config(config, args.overrides, check_data=True, read_init_from=True)
         warned = start.warned if start is not None else set()
         start = plan_start(cfg, given, warn=warn and start is None and rank == 0)
         start.warned |= warned
     # the command's, not start.cfg's (a merge keeps the saved value where the command says auto):
     # Trainer.find_checkpoint verifies by it
     start.resume = cfg.train.resume
+    resolve_tokenizer(start.cfg.data)  # the banner names it and config.yaml records it
     return start
+
+
+def _command_config(config, overrides, **kw):
+    """load_config of the command; a data.tokenizer naming the data's own tokenizer (what config.yaml
+    records, e.g. a --config of an earlier run's config.yaml) counts as not given: it is derived."""
+    cfg = load_config(config, overrides, **kw)
+    if derived_tokenizer(cfg.data):
+        cfg.data.tokenizer = ""
+    return cfg
 
 
 def check_inputs(start) -> None:

@@ -232,3 +232,31 @@ def test_deepspeeds_per_rank_line_reaches_the_console_once_per_node(capsys):
     assert capsys.readouterr().out.splitlines() == [
         "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully", "a line in parts",
         "tail without newline", "a line in parts", "tail without newline"]
+
+
+def test_the_banner_names_the_tokenizer_and_config_yaml_records_it(bpe, tmp_path):
+    """A run on a token directory: the banner names its tokenizer and config.yaml records it (it said
+    data.tokenizer: ''). The record is derived from data.path, not a choice: after the data moved (the
+    recorded tokenizer is gone), a resume with the new data.path allowed reads that config.yaml and
+    records the new directory's tokenizer; the run's config.yaml as a --config is the same command."""
+    import os
+
+    import yaml
+
+    from conftest import check, launch
+    data = shutil.copytree(bpe / "tokens", tmp_path / "data")
+    out = tmp_path / "run"
+    sets = TINY + [f"data.path={data}", "train.max_steps=1", "train.checkpoint_every=1", "train.resume=auto"]
+    proc = check(launch(1, out, sets, launcher="python", timeout=240))
+    assert f"tokenizer {data / 'tokenizer.json'}, vocab " in proc.stdout, proc.stdout
+    assert yaml.safe_load((out / "config.yaml").read_text())["data"]["tokenizer"] == str(data / "tokenizer.json")
+    moved = tmp_path / "moved"
+    os.rename(data, moved)
+    again = [f"data.path={moved}", "train.resume_allow=[data.path]", "train.max_steps=2", *sets[-2:]]
+    proc = check(launch(1, out, TINY + again, launcher="python", timeout=240))
+    assert "resumed from" in proc.stdout and f"tokenizer {moved / 'tokenizer.json'}, vocab " in proc.stdout
+    saved = yaml.safe_load((out / "config.yaml").read_text())["data"]
+    assert (saved["path"], saved["tokenizer"]) == (str(moved), str(moved / "tokenizer.json"))
+    proc = check(launch(1, out, ["train.max_steps=3"], config=str(out / "config.yaml"), launcher="python",
+                        timeout=240))
+    assert "resumed from" in proc.stdout and "changed: train.max_steps: 2 -> 3" in proc.stdout, proc.stdout
