@@ -141,11 +141,31 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or os.environ.get("WORLD_SIZE", "1"))
 
 
-def _set_threads(device_type: str) -> None:
-    """On CPU ranks, split the cores between the ranks of this node."""
+def cores() -> int:
+    """The cores this process may run on (its affinity: a cpuset or taskset counts, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def set_threads(device_type: str, rank: int) -> None:
+    """On CPU ranks, unless OMP_NUM_THREADS says otherwise: split this machine's cores between the
+    ranks running on it. Those are the launcher's local ranks, except when several "nodes" of a
+    hostfile are one machine (a rehearsal: deepspeed --no_ssh --node_rank k per node): each
+    launcher then counts only its own ranks, every rank took cores / (its node's ranks) threads,
+    and the machine ran 2-20x oversubscribed. So the ranks count each other by host name (one
+    gather at start) and take cores / (ranks on this machine). Collective."""
+    import socket
+
     import torch
-    if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size()))
+    import torch.distributed as dist
+    if device_type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    here = hosts.count(socket.gethostname())
+    torch.set_num_threads(max(1, cores() // here))
+    if rank == 0 and here > local_world_size():
+        print(f"threads: {here} ranks of {len(hosts)} share this machine's {cores()} cores (its launcher started "
+              f"{local_world_size()}): {torch.get_num_threads()} per rank (OMP_NUM_THREADS sets it)", flush=True)
 
 
 def resolve_device_settings(cfg, device) -> None:
@@ -187,7 +207,6 @@ def make_trainer(cfg, layout, start=None):
     accel = get_accelerator()
     accel.set_device(local_rank)
     device = torch.device(accel.device_name(local_rank))
-    _set_threads(device.type)
     resolve_device_settings(cfg, device)
     backend = kernels.select(device)  # before the model is built: its modules keep this choice
     if int(os.environ.get("RANK", 0)) == 0:
@@ -204,6 +223,7 @@ def make_trainer(cfg, layout, start=None):
         announce_deepspeed_op(say)
     with printed_once_per_node(DEEPSPEED_OP_LINE, first_here):
         join_distributed(cfg.parallel.timeout_s)
+    set_threads(device.type, int(os.environ["RANK"]))
     return Trainer(cfg, build_mesh(layout, int(os.environ["RANK"]), timeout_s=cfg.parallel.timeout_s), device, start)
 
 
