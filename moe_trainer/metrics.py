@@ -300,10 +300,10 @@ class MetricSink:
             self.tb.add_histogram(tag, values, step)
 
     def progress(self, step: int, record: dict) -> None:
+        """The console line of a log step. Its ETA is the time per step since this start's first
+        log step times the steps left: the first line has no interval to time, so it shows none."""
         if self.first_step is None:
             self.first_step, self.start = step, time.time()
-        done = max(step - self.first_step, 1)
-        eta = (time.time() - self.start) / done * (self.max_steps - step)
         parts = [f"step {step}/{self.max_steps}", f"loss {record.get('loss', float('nan')):.4f}"]
         if "val_loss" in record:
             parts.append(f"val {record['val_loss']:.4f}")
@@ -318,7 +318,9 @@ class MetricSink:
             parts.append(f"{record['step_time_s']:.3f} s/step ({split})")
         if record.get("interval_steps", 1) > 1:
             parts.append(f"means of {record['interval_steps']} steps")
-        parts.append(f"ETA {eta / 60:.1f} min")
+        if step > self.first_step:
+            eta = (time.time() - self.start) / (step - self.first_step) * (self.max_steps - step)
+            parts.append(f"ETA {eta / 60:.1f} min")
         print(" | ".join(parts), file=sys.stdout, flush=True)
 
     def close(self) -> None:

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         ap.error("give the launcher command after --")
     if args.max_restarts < 0:
         ap.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    info_log = None
+    info_log = before = None
     if trainer_args(cmd) is not None:
         from . import run_dir
         from .train import keep_build_cache_per_environment, plan_command
@@ -101,10 +101,15 @@ def main(argv=None) -> int:
                 print(done, flush=True)
                 return 0
             info_log = Path(start.cfg.run.out_dir) / DEEPSPEED_LOG
+            before = run_dir.before_launch(info_log.parent)
         print(f"starting {Path(cmd[0]).name}: the ranks set up the process group, the model and the engine "
               f"before the first step{f'; DeepSpeed INFO lines go to {info_log}' if info_log else ''}", flush=True)
-    return run_with_restarts(cmd, args.max_restarts, log=lambda m: print(m, file=sys.stderr, flush=True),
+    code = run_with_restarts(cmd, args.max_restarts, log=lambda m: print(m, file=sys.stderr, flush=True),
                              info_log=info_log)
+    if code == 2 and before is not None:  # refused as bad input: no run directory holding only our log
+        from .run_dir import undo_refused_start
+        undo_refused_start(info_log.parent, before, ours=(DEEPSPEED_LOG,))
+    return code
 
 
 if __name__ == "__main__":

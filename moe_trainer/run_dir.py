@@ -80,8 +80,12 @@ class Start:
 
 
 def _load_saved(path: Path) -> Config:
+    from .data.loader import derived_tokenizer
     try:
-        return config_from_dict(yaml.safe_load(path.read_text()) or {})
+        tree = yaml.safe_load(path.read_text()) or {}
+        if isinstance(tree.get("data"), dict) and derived_tokenizer(tree["data"]):
+            tree["data"]["tokenizer"] = ""  # recorded from data.path at start (train.plan_run): derived again
+        return config_from_dict(tree)
     except (yaml.YAMLError, OSError) as e:
         raise ConfigError(f"the run directory's {path} is unreadable ({str(e).splitlines()[0]}); move it away "
                           f"to start over.") from None
@@ -369,6 +373,33 @@ def copy_tokenizer(src: Optional[Path], dst: Path) -> list[str]:
     return copied
 
 
+def before_launch(out: Path) -> tuple[Optional[Path], set]:
+    """What a launch finds of its run directory: (the outermost of its directories that does not
+    exist yet, None when it exists; the names it holds), for undo_refused_start."""
+    missing, p = None, Path(out).absolute()
+    while not p.exists():
+        missing, p = p, p.parent
+    return missing, (set(os.listdir(out)) if missing is None else set())
+
+
+def undo_refused_start(out: Path, before: tuple[Optional[Path], set], ours: tuple = ()) -> None:
+    """After a start refused as bad input (exit 2): when the only new entries of the run directory
+    are the launch wrapper's own (`ours`: its log), they go, and so do the directories the launch
+    made for them, so a refused start leaves no run directory that holds nothing of a run. Anything
+    a rank wrote keeps it all."""
+    missing, held = before
+    out = Path(out).absolute()
+    new = set(os.listdir(out)) - held if out.is_dir() else set()
+    if not new <= set(ours):
+        return
+    for name in new:
+        (out / name).unlink(missing_ok=True)
+    d = out
+    while missing is not None and d != missing.parent and d.is_dir() and not any(d.iterdir()):
+        d.rmdir()  # only empty directories: another run may have made a sibling meanwhile
+        d = d.parent
+
+
 # a finished run's checkpoint up to this size is verified before any launcher (sha256 at ~1 GB/s);
 # a larger one is left to the ranks, which check the files they read in parallel (Trainer)
 VERIFY_BEFORE_LAUNCH_BYTES = 4 << 30
@@ -431,6 +462,7 @@ def banner(trainer, start: Start) -> str:
     splits, tok = index["splits"], index.get("tokenizer", {})
     eos = tok.get("eos_token") or BYTE_SPECIALS.get(tok.get("eos_id"), tok.get("eos_id"))  # older indexes: an id
     data = cfg.data.path or "the default corpus (standard-library .py files as bytes)"
+    tokenizer = cfg.data.tokenizer or ("byte-level" if tok.get("type") == "bytes" else "the data's own")
     if cfg.data.sources:
         data = "mixture " + ", ".join(f"{e['name']} {e['weight']:g} ({e['path']})" for e in cfg.data.sources)
     if trainer.resume_from is not None:  # start.checkpoint unless the ranks' checksums refused it
@@ -451,7 +483,7 @@ def banner(trainer, start: Start) -> str:
         f"{_count(mine)} on this rank (rank 0); vocab {m.vocab_size}",
         f"tokens per step {tokens:,} ({t.global_batch_size} sequences x {t.seq_len}); {t.max_steps} steps",
         f"data {data}: {splits['train']['num_tokens']:,} train / {splits['val']['num_tokens']:,} val tokens, "
-        f"vocab {index['vocab_size']}, documents end with {eos!r}",
+        f"tokenizer {tokenizer}, vocab {index['vocab_size']}, documents end with {eos!r}",
         f"start: {source}",
         f"MFU peak {trainer.peak:.3g} TFLOP/s per rank ({trainer.peak_source})",
         f"run directory {out}  (config history: {HISTORY})",
@@ -468,4 +500,5 @@ def print_lines(lines: list[str], stream=sys.stdout) -> None:
 
 __all__ = ["RESUMABLE", "HISTORY", "Start", "plan_start", "nothing_left", "finished_sentence", "merge_for_resume",
            "record_start", "set_aside_records", "check_shared", "banner",
-           "parameter_counts", "copy_tokenizer", "describe", "resumable", "runtime"]
+           "parameter_counts", "copy_tokenizer", "describe", "resumable", "runtime", "before_launch",
+           "undo_refused_start"]

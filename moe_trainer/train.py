@@ -5,8 +5,10 @@ Also works with torchrun, or as a plain single process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
+import io
 import os
 import socket
 import sys
@@ -18,6 +20,7 @@ from .checkpoint import CheckpointError
 from .config import ConfigError, given_values, validate_layout
 from .resolve import DataVocabError, load_config
 from .data import DataError
+from .data.loader import derived_tokenizer, resolve_tokenizer
 from .hf import HFFormatError
 
 
@@ -55,11 +58,82 @@ def keep_build_cache_per_environment(environ=os.environ) -> None:
         environ["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")
 
 
+def extension_dir(name: str) -> Path:
+    """Where torch.utils.cpp_extension JIT-builds extension `name` (as its _get_build_directory
+    decides, without making it): TORCH_EXTENSIONS_DIR/name, else the per-user cache's
+    py<version>_<cpu|cuXY|rocmXY>/name."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        v = torch.version
+        accel = f"rocm{v.hip.replace('.', '')}" if v.hip else f"cu{v.cuda.replace('.', '')}" if v.cuda else "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(get_default_build_root(), f"{python}_{accel}")
+    return Path(root) / name
+
+
 def deepspeed_op_built(name: str = "deepspeed_shm_comm") -> bool:
     """Is DeepSpeed's JIT op `name` in the extension cache (so loading it takes a moment, not a build)?"""
-    from torch.utils.cpp_extension import get_default_build_root
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    return any(root.glob(f"*/{name}/{name}.so"))
+    return (extension_dir(name) / f"{name}.so").is_file()
+
+
+def build_cpu_kernels(say) -> None:
+    """Our fused CPU kernels (kernels/cpu/extension.py), built or loaded; `say` announces a build."""
+    from .kernels.cpu.extension import build_dir, enabled, kernels
+    if enabled() and not (build_dir() / "moe_trainer_cpu_kernels.so").is_file():
+        say(f"building moe_trainer's fused CPU kernels (once per checkout and machine, about 20 s) into {build_dir()}")
+    kernels()
+
+
+def announce_deepspeed_op(say) -> None:
+    if not deepspeed_op_built():
+        say(f"building DeepSpeed's shared-memory op (once per environment, about 40 s) into "
+            f"{extension_dir('deepspeed_shm_comm').parent}")
+
+
+def build_ops(say=lambda line: print(line, flush=True)) -> None:
+    """Before a job (scripts/_env.sh): our CPU kernels and DeepSpeed's shared-memory op, each
+    announced only when it is not built yet, so a job's ranks never race to build them."""
+    build_cpu_kernels(say)
+    announce_deepspeed_op(say)
+    from deepspeed.accelerator import get_accelerator
+    get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+
+
+# DeepSpeed's init_distributed prints "DeepSpeed ...deepspeed_shm_comm_op built successfully" on every CPU rank at
+# every start, built or loaded from the cache: the console gets it from each node's first rank only
+DEEPSPEED_OP_LINE = "built successfully"
+
+
+class _DropLines(io.TextIOBase):
+    """A stdout that passes whole lines on, except those holding `text`."""
+
+    def __init__(self, out, text: str):
+        self.out, self.text, self.held = out, text, ""
+
+    def write(self, s: str) -> int:
+        *lines, self.held = (self.held + s).split("\n")
+        for line in lines:
+            if self.text not in line:
+                self.out.write(line + "\n")
+        return len(s)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+@contextlib.contextmanager
+def printed_once_per_node(text: str, first_here: bool):
+    """Inside the block, lines printed holding `text` reach the console from this node's first rank only."""
+    if first_here:
+        yield
+        return
+    quiet = _DropLines(sys.stdout, text)
+    with contextlib.redirect_stdout(quiet):
+        yield
+    if quiet.held and text not in quiet.held:
+        sys.stdout.write(quiet.held)
 
 
 def local_world_size() -> int:
@@ -68,11 +142,31 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or os.environ.get("WORLD_SIZE", "1"))
 
 
-def _set_threads(device_type: str) -> None:
-    """On CPU ranks, split the cores between the ranks of this node."""
+def cores() -> int:
+    """The cores this process may run on (its affinity: a cpuset or taskset counts, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def set_threads(device_type: str, rank: int) -> None:
+    """On CPU ranks, unless OMP_NUM_THREADS says otherwise: split this machine's cores between the
+    ranks running on it. Those are the launcher's local ranks, except when several "nodes" of a
+    hostfile are one machine (a rehearsal: deepspeed --no_ssh --node_rank k per node): each
+    launcher then counts only its own ranks, every rank took cores / (its node's ranks) threads,
+    and the machine ran 2-20x oversubscribed. So the ranks count each other by host name (one
+    gather at start) and take cores / (ranks on this machine). Collective."""
+    import socket
+
     import torch
-    if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size()))
+    import torch.distributed as dist
+    if device_type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    here = hosts.count(socket.gethostname())
+    torch.set_num_threads(max(1, cores() // here))
+    if rank == 0 and here > local_world_size():
+        print(f"threads: {here} ranks of {len(hosts)} share this machine's {cores()} cores (its launcher started "
+              f"{local_world_size()}): {torch.get_num_threads()} per rank (OMP_NUM_THREADS sets it)", flush=True)
 
 
 def resolve_device_settings(cfg, device) -> None:
@@ -116,7 +210,6 @@ def make_trainer(cfg, layout, start=None):
     accel = get_accelerator()
     accel.set_device(local_rank)
     device = torch.device(accel.device_name(local_rank))
-    _set_threads(device.type)
     resolve_device_settings(cfg, device)
     backend = kernels.select(device)  # before the model is built: its modules keep this choice
     if int(os.environ.get("RANK", 0)) == 0:
@@ -125,13 +218,15 @@ def make_trainer(cfg, layout, start=None):
     if device.type == "cpu" and cfg.train.keep_freed_memory:
         from .kernels.cpu.allocator import keep_freed_memory
         keep_freed_memory()
-    if backend.name == "cpu":  # build (first run on a machine, ~20 s) before any collective can wait on it
-        from .kernels.cpu.extension import kernels as build_cpu_kernels
-        build_cpu_kernels()
-    if device.type == "cpu" and int(os.environ.get("RANK", 0)) == 0 and not deepspeed_op_built():
-        print(f"building DeepSpeed's shared-memory op (once per environment, about 40 s) into "
-              f"{os.environ.get('TORCH_EXTENSIONS_DIR', '~/.cache/torch_extensions')}", flush=True)
-    join_distributed(cfg.parallel.timeout_s)
+    first_here = local_rank == 0  # says what this node builds (the others wait on the build's lock)
+    say = (lambda line: print(line, flush=True)) if first_here else (lambda line: None)
+    if backend.name == "cpu":  # built before any collective can wait on it
+        build_cpu_kernels(say)
+    if device.type == "cpu":  # init_distributed builds it
+        announce_deepspeed_op(say)
+    with printed_once_per_node(DEEPSPEED_OP_LINE, first_here):
+        join_distributed(cfg.parallel.timeout_s)
+    set_threads(device.type, int(os.environ["RANK"]))
     return Trainer(cfg, build_mesh(layout, int(os.environ["RANK"]), timeout_s=cfg.parallel.timeout_s), device, start)
 
 
@@ -243,13 +338,13 @@ def plan_run(args, rank: int, warn: bool = True):
     config = args.config or DEFAULT_CONFIG
     start = None
     try:  # the config as the command gives it, enough to find the checkpoint
-        cfg = load_config(config, args.overrides, check_data=True)
+        cfg = _command_config(config, args.overrides, check_data=True)
         start = plan_start(cfg, given, warn=warn and rank == 0)
     except DataVocabError:
         # the command alone cannot resolve vocab_size auto, as on a resume whose data keys are the saved
         # config.yaml's (a mixture's data.tokenizer): the merge resolves it; not a resume: decided below
         try:
-            cfg = load_config(config, args.overrides, resolve_data=False)
+            cfg = _command_config(config, args.overrides, resolve_data=False)
         except ConfigError:
             cfg = None
         start = plan_start(cfg, given, warn=warn and rank == 0) if cfg is not None else None
@@ -257,14 +352,24 @@ def plan_run(args, rank: int, warn: bool = True):
     except ConfigError:
         pass  # e.g. a model section that only the init_from directory's config.json completes: decided below
     if start is None or (not start.from_saved and cfg.train.init_from):  # else the first reading stands
-        cfg = load_config(config, args.overrides, check_data=True, read_init_from=True)
+        cfg = _command_config(config, args.overrides, check_data=True, read_init_from=True)
         warned = start.warned if start is not None else set()
         start = plan_start(cfg, given, warn=warn and start is None and rank == 0)
         start.warned |= warned
     # the command's, not start.cfg's (a merge keeps the saved value where the command says auto):
     # Trainer.find_checkpoint verifies by it
     start.resume = cfg.train.resume
+    resolve_tokenizer(start.cfg.data)  # the banner names it and config.yaml records it
     return start
+
+
+def _command_config(config, overrides, **kw):
+    """load_config of the command; a data.tokenizer naming the data's own tokenizer (what config.yaml
+    records, e.g. a --config of an earlier run's config.yaml) counts as not given: it is derived."""
+    cfg = load_config(config, overrides, **kw)
+    if derived_tokenizer(cfg.data):
+        cfg.data.tokenizer = ""
+    return cfg
 
 
 def check_inputs(start) -> None:

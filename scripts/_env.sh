@@ -25,12 +25,8 @@ install_project() {  # $1: extras spec, e.g. "[test]" or ""
   # DeepSpeed's JIT-built ops live in this environment, not in the one per-user cache that every
   # environment on the machine would rebuild in turn (moe_trainer.train sets the same default)
   export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.venv/torch_extensions}"
-  # DeepSpeed JIT-builds its shared-memory op on first init_distributed (~40 s): do it once here
-  if ! ls "$TORCH_EXTENSIONS_DIR"/*/deepspeed_shm_comm/deepspeed_shm_comm.so >/dev/null 2>&1; then
-    echo "building DeepSpeed's shared-memory op into $TORCH_EXTENSIONS_DIR (once per environment, about 40 s)"
-  fi
-  "$VPY" -c "from deepspeed.accelerator import get_accelerator as g; g().create_op_builder('ShareMemCommBuilder').load()" \
-    >/dev/null 2>&1 || true
-  # and ours (~20 s once), so the ranks of a job never race to build it
-  "$VPY" -m moe_trainer.kernels.cpu.extension >/dev/null 2>&1 || true
+  # our fused CPU kernels (~20 s) and DeepSpeed's shared-memory op (~40 s, JIT-built by its first
+  # init_distributed) are built here once, so the ranks of a job never race to build them; each is
+  # announced only when it is not built yet (a failed build: the trainer warns and runs without it)
+  "$VPY" -c "from moe_trainer.train import build_ops; build_ops()" 2>/dev/null | grep --line-buffered '^building' || true
 }

@@ -34,15 +34,15 @@ def split_tokens(token_dir, split):
 
 
 def expected(tok_file, files: dict[str, list[str]], val_fraction: float) -> dict[str, np.ndarray]:
-    """The reference: each document alone through the tokenizer, then EOS, split by its name
-    (the file's name and the record's line), in input order."""
+    """The reference: each document alone through the tokenizer, then EOS, split by a hash of its
+    text, in input order."""
     from tokenizers import Tokenizer
     t = Tokenizer.from_file(str(tok_file))
     eos = t.token_to_id("<|endoftext|>")
     out = {"train": [], "val": []}
     for name, docs in files.items():
-        for n, text in enumerate(docs, 1):
-            split = "val" if prep.is_val(f"{name}:{n}", val_fraction) else "train"
+        for text in docs:
+            split = "val" if prep.text_in_val(text, val_fraction) else "train"
             out[split] += t.encode(text, add_special_tokens=False).ids + [eos]
     return {s: np.array(v) for s, v in out.items()}
 
@@ -79,11 +79,11 @@ def test_every_input_kind_reads_the_same_documents(tmp_path, tok):
     (d / "d.txt").write_text(docs[0])
     index = prepare([str(d)], str(tmp_path / "out"), str(tok), val_fraction=0.2, chunk_bytes=500)
     # the reference, file by file in the order of their paths inside the directory; a .txt file is one
-    # document named by the file alone
+    # document
     parts = {"train": [], "val": []}
     for name in ("a.jsonl.gz", "c.parquet", "d.txt", "sub/b.jsonl.zst"):
         if name == "d.txt":
-            side = "val" if prep.is_val("d.txt", 0.2) else "train"
+            side = "val" if prep.text_in_val(docs[0], 0.2) else "train"
             ref = {"train": [], "val": []}
             ref[side] = np.concatenate([*expected(tok, {"d.txt": [docs[0]]}, 0.2).values()])
         else:
@@ -93,7 +93,7 @@ def test_every_input_kind_reads_the_same_documents(tmp_path, tok):
     for s in parts:
         assert np.array_equal(split_tokens(tmp_path / "out", s), np.concatenate(parts[s])), s
     assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 3 * 60 + 1
-    # a glob names its files by their own names
+    # a glob of the same files
     again = prepare([str(d / "*.gz")], str(tmp_path / "g"), str(tok), val_fraction=0.2)
     assert np.array_equal(split_tokens(tmp_path / "g", "val"), expected(tok, {"a.jsonl.gz": docs}, 0.2)["val"])
     assert again["splits"]["val"]["documents"] > 0
@@ -105,6 +105,79 @@ def test_the_split_does_not_depend_on_how_the_path_is_typed(tmp_path, tok, monke
     monkeypatch.chdir(tmp_path)
     relative = prepare(["a.jsonl"], "rel", str(tok), val_fraction=0.2)
     assert relative["splits"] == absolute["splits"]
+
+
+def test_the_split_follows_the_text_not_its_file_or_encoding(tmp_path, tok):
+    """The same 300 records as .jsonl, .jsonl.gz, .jsonl.zst and Parquet rows: the same validation
+    tokens each time (a split by file name and line gave 25,532 / 17,321 / 12,678 validation tokens
+    for the first three); and as .txt files, one document each, the same documents go to validation."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+    body = "".join(json.dumps({"text": t}) + "\n" for t in DOCS).encode()
+    (tmp_path / "a.jsonl").write_bytes(body)
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(body))
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(body))
+    pq.write_table(pa.table({"text": DOCS}), tmp_path / "d.parquet", row_group_size=50)
+    val = {}
+    for name in ("a.jsonl", "b.jsonl.gz", "c.jsonl.zst", "d.parquet"):
+        index = prepare([str(tmp_path / name)], str(tmp_path / f"out-{name}"), str(tok), val_fraction=0.1,
+                        chunk_bytes=3000)
+        val[name] = split_tokens(tmp_path / f"out-{name}", "val")
+        assert index["splits"]["val"]["num_tokens"] == len(val[name]) and index["split"] == prep.SPLIT
+    reference = val["a.jsonl"]
+    assert 0 < len(reference) < 0.3 * len(split_tokens(tmp_path / "out-a.jsonl", "train"))
+    for name, ids in val.items():
+        assert np.array_equal(ids, reference), name
+    # reversed order, one .txt file per document: the same documents on the validation side
+    (tmp_path / "txt").mkdir()
+    for i, text in enumerate(reversed(DOCS)):
+        (tmp_path / "txt" / f"{i:03d}.txt").write_text(text)
+    index = prepare([str(tmp_path / "txt")], str(tmp_path / "out-txt"), str(tok), val_fraction=0.1)
+    assert index["splits"]["val"]["num_tokens"] == len(reference)
+    assert index["splits"]["val"]["documents"] == sum(prep.text_in_val(t, 0.1) for t in DOCS)
+
+
+def test_identical_documents_are_never_split(tmp_path):
+    """2,000 copies of one document among others, in two files: every copy on one side, whatever
+    the line or the file it is in."""
+    same = DOCS[7]
+    lines = [same if i % 3 == 0 else f"{DOCS[i % len(DOCS)]} ({i})" for i in range(6000)]
+    (tmp_path / "in").mkdir()
+    write_jsonl(tmp_path / "in" / "a.jsonl", lines[:3000])
+    write_jsonl(tmp_path / "in" / "b.jsonl", lines[3000:])
+    for fraction in (0.02, 0.5):  # at 0.5 the copies would land on both sides 2,000 times over by chance
+        out = tmp_path / f"o{fraction}"
+        index = prepare([str(tmp_path / "in")], str(out), val_fraction=fraction, chunk_bytes=5000)
+        doc = np.frombuffer(same.encode(), dtype=np.uint8).astype(np.int64)
+        found = {s: _count_documents(split_tokens(out, s), doc) for s in ("train", "val")}
+        side = "val" if prep.text_in_val(same, fraction) else "train"
+        assert found[side] == 2000 and found["val" if side == "train" else "train"] == 0, found
+        assert index["splits"]["val"]["documents"] > 0 and index["splits"]["train"]["documents"] > 0
+
+
+def _count_documents(ids: np.ndarray, doc: np.ndarray) -> int:
+    """How many of the split's EOS-ended byte documents equal `doc`."""
+    ends = np.flatnonzero(ids == 257)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return sum(1 for s, e in zip(starts, ends) if e - s == len(doc) and np.array_equal(ids[s:e], doc))
+
+
+def test_a_partial_directory_of_the_name_split_starts_over(tmp_path, tok):
+    """A partial directory begun by a version that split by name (no "split" in its settings) is
+    not resumed: its finished shards were cut by the other rule."""
+    src = write_jsonl(tmp_path / "a.jsonl", DOCS)
+    kw = dict(val_fraction=0.1, chunk_bytes=2000, shard_tokens=1500)
+    whole = prepare([str(src)], str(tmp_path / "whole"), str(tok), **kw)
+    partial = tmp_path / "out.partial"
+    partial.mkdir()
+    settings = prep._settings(prep.expand_inputs([str(src)]), whole["tokenizer"], "text", 0.1, 1500, "fail")
+    del settings["split"]
+    (partial / "progress.json").write_text(json.dumps({"settings": settings, "position": [0, 4000, 20],
+                                                       "shards": {"train": [], "val": []}, "stats": {}}))
+    said = []
+    assert prepare([str(src)], str(tmp_path / "out"), str(tok), say=said.append, **kw) == whole
+    assert any("starting" in s and "over" in s for s in said)
 
 
 def test_an_interrupted_preparation_resumes_without_redoing_finished_shards(tmp_path, tok, monkeypatch):
@@ -192,15 +265,77 @@ def test_progress_says_throughput_and_eta(tmp_path, monkeypatch):
     assert lines and "MB/s" in lines[-1] and "M tokens/s" in lines[-1] and "%" in lines[-1]
 
 
+def test_after_a_resume_the_rate_counts_only_this_sessions_bytes(monkeypatch):
+    """A resume whose first chunk ends at 900 of 1,000 MB, then 10 MB/s: it says 10 MB/s and 5 s
+    left at 950 MB (counting the 900 MB done before gave '207.4 MB/s ... ETA 2 s' with 146 s left)."""
+    monkeypatch.setattr(prep, "PROGRESS_EVERY_S", 5.0)  # a line 5 s and 10 s after the baseline
+    said, now = [], [0.0]
+    progress = prep.Progress(1000 * 10**6, said.append, clock=lambda: now[0])
+    for consumed in range(900, 1001, 10):
+        progress.update(consumed * 10**6, 10**6)
+        now[0] += 1.0
+    assert said == ["95.0% of 1,000 MB, 10.0 MB/s, 1.00M tokens/s, ETA 5 s",
+                    "100.0% of 1,000 MB, 10.0 MB/s, 1.00M tokens/s, ETA 0 s"]
+
+
+def test_sigterm_stops_cleanly_and_the_rerun_resumes_to_the_same_bytes(tmp_path, tok):
+    """A real SIGTERM to a running prepare_data with 2 workers, after its first checkpoint: exit
+    143, one line naming where it stopped and how to resume, no traceback and no leaked semaphore
+    (a silent death left the pool's); the rerun resumes and writes exactly what an uninterrupted
+    run writes."""
+    import os
+    import signal
+    import time
+    docs = toy_documents(2000, seed=3)
+    src = tmp_path / "big.jsonl"
+    with open(src, "w") as f:
+        for i in range(8):  # ~5 MB: about 5 chunks of the tool's 1 MB, each ending in a checkpoint
+            f.writelines(json.dumps({"text": f"{t} {i}"}) + "\n" for t in docs)
+    tool = [sys.executable, str(ROOT / "tools" / "prepare_data.py")]
+    args = [str(src), "--tokenizer", str(tok), "--workers", "2", "--shard-tokens", "50000"]
+    out = tmp_path / "out"
+    proc = subprocess.Popen(tool + [str(out)] + args, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    progress, deadline = out.with_name("out.partial") / "progress.json", time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:  # wait for the first checkpoint
+        try:
+            if json.loads(progress.read_text())["shards"]["train"]:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.02)
+    assert proc.poll() is None, "prepare_data finished before it could be stopped"
+    os.kill(proc.pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    lines = stderr.strip().splitlines()
+    assert "Traceback" not in stderr and "leaked" not in stderr and "semaphore" not in stderr, stderr
+    assert lines[-1].startswith("prepare_data: stopped by SIGTERM at ") and "% of the input" in lines[-1]
+    assert f"run the same command again to resume from {out}.partial, which keeps" in lines[-1], lines[-1]
+    assert not out.exists()
+    resumed = subprocess.run(tool + [str(out)] + args, env=env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and "resuming" in resumed.stderr, resumed.stderr
+    whole = subprocess.run(tool + [str(tmp_path / "whole")] + args, env=env(), capture_output=True, text=True,
+                           timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    names = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert sorted(p.name for p in out.iterdir()) == names and len(names) > 6
+    for name in names:
+        assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+
 def test_a_text_file_larger_than_a_chunk_is_one_document_cut_between_characters(tmp_path):
     text = "héllo wörld ✓ naïve " * 300 + "\n" + "x" * 500  # multi-byte characters, a long last line
     (tmp_path / "big.txt").write_text(text)
-    (tmp_path / "small.txt").write_text("tiny")
+    # a small document on the other side of the split than the big one
+    side = prep.text_in_val(text, 0.5)
+    small = next(t for t in (f"tiny {i}" for i in range(100)) if prep.text_in_val(t, 0.5) != side)
+    (tmp_path / "small.txt").write_text(small)
     index = prepare([str(tmp_path)], str(tmp_path / "o"), val_fraction=0.5, chunk_bytes=97)
     docs = []
     for split in ("train", "val"):
         ids = split_tokens(tmp_path / "o", split)
         ends = np.flatnonzero(ids == 257)  # EOS ends each document
         docs += [bytes(d[:-1].astype(np.uint8)).decode() for d in np.split(ids, ends + 1)[:-1]]
-    assert sorted(docs) == sorted([text, "tiny"])
+    assert sorted(docs) == sorted([text, small])
     assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 2

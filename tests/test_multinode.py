@@ -1,25 +1,38 @@
 """DeepSpeed's multi-node launch, on this one machine: a hostfile of two "nodes" (localhost and
 127.0.0.1, one rank each) and one launcher per node with --no_ssh --node_rank 0|1, as a cluster's
-scheduler starts them. Same losses as one node with the same ranks, and it resumes."""
+scheduler starts them. Same losses as one node with the same ranks, and it resumes; the ranks
+share the machine's cores as one node's would (each launcher counts only its own ranks)."""
+import os
 import re
 import subprocess
 from pathlib import Path
 
-from conftest import ROOT, TINY, VENV_BIN, check, env, free_port, launch, read_metrics, train_losses
+from conftest import ROOT, TINY, VENV_BIN, check, env, free_port, read_metrics, train_losses
 
 BASE = TINY + ["train.max_steps=4", "train.checkpoint_every=2", "train.resume=auto"]
 
 
-def launch_two_nodes(out: Path, overrides: list[str], tmp: Path, nodes=(0, 1)) -> list[subprocess.CompletedProcess]:
+def own_threads() -> dict:
+    """env() without OMP_NUM_THREADS: the trainer's own thread default decides."""
+    e = env()
+    e.pop("OMP_NUM_THREADS")
+    return e
+
+
+def trainer_args(out: Path, overrides: list[str]) -> list[str]:
+    return ["--config=configs/moe_tiny.yaml"] + [a for o in overrides + [f"run.out_dir={out}"] for a in ("--set", o)]
+
+
+def launch_two_nodes(out: Path, overrides: list[str], tmp: Path, nodes=(0, 1), environ=None
+                     ) -> list[subprocess.CompletedProcess]:
     """The launchers of the hostfile's nodes `nodes` (a node left out never starts)."""
     hosts = tmp / "hostfile"
     hosts.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     port = free_port()
-    args = ["--config=configs/moe_tiny.yaml"] + [a for o in overrides + [f"run.out_dir={out}"] for a in ("--set", o)]
     nodes = [subprocess.Popen([str(VENV_BIN / "deepspeed"), "--hostfile", str(hosts), "--no_ssh", "--node_rank",
                                str(r), "--master_addr", "127.0.0.1", "--master_port", str(port), "--module",
-                               "moe_trainer.train", *args], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in nodes]
+                               "moe_trainer.train", *trainer_args(out, overrides)], cwd=ROOT, env=environ or env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in nodes]
     done = []
     for p in nodes:
         stdout, stderr = p.communicate(timeout=300)
@@ -28,14 +41,24 @@ def launch_two_nodes(out: Path, overrides: list[str], tmp: Path, nodes=(0, 1)) -
 
 
 def test_two_nodes_equal_one_node_and_resume(tmp_path):
+    """Without OMP_NUM_THREADS, as a user runs it: one node's 2 ranks take cores / 2 threads each,
+    and so do the two one-rank "nodes" (each took every core: 10-20x slower), so the runs are the
+    same computation and their losses equal."""
     one = tmp_path / "one"
-    check(launch(2, one, BASE))
+    proc = check(subprocess.run([str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                                 "--module", "moe_trainer.train", *trainer_args(one, BASE)], cwd=ROOT,
+                                env=own_threads(), capture_output=True, text=True, timeout=300))
+    assert "threads:" not in proc.stdout  # one launcher: its local ranks are the machine's
+    assert proc.stdout.count("built successfully") <= 1  # DeepSpeed's line, from the node's first rank only
     two = tmp_path / "two"
-    first = launch_two_nodes(two, BASE + ["train.stop_at_step=2"], tmp_path)  # a job that ends after step 2
+    first = launch_two_nodes(two, BASE + ["train.stop_at_step=2"], tmp_path, environ=own_threads())  # ends at 2
     for proc in first:
         check(proc)
     assert "nodes: 2 of 1 rank(s)" in first[0].stdout  # each launcher's LOCAL_WORLD_SIZE is its node's
-    for proc in launch_two_nodes(two, BASE, tmp_path):  # the same command again: resumes at step 2
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert (f"threads: 2 ranks of 2 share this machine's {len(os.sched_getaffinity(0))} cores (its launcher started "
+            f"1): {threads} per rank") in first[0].stdout, first[0].stdout
+    for proc in launch_two_nodes(two, BASE, tmp_path, environ=own_threads()):  # the same command: resumes at 2
         check(proc)
     assert train_losses(two) == train_losses(one)
     starts = [r for r in read_metrics(two) if "loss" in r]

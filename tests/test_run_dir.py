@@ -154,8 +154,8 @@ def test_vocab_auto_and_an_explicit_vocab_below_the_data(tmp_path):
         _cfg(f"data.path={tmp_path}")
     from moe_trainer.data import DataError, open_token_dir, prepare
     files = [tmp_path / f"doc{i}.txt" for i in range(20)]
-    for f in files:
-        f.write_text("some text " * 50)
+    for i, f in enumerate(files):  # distinct documents: identical ones fall on one side of the split
+        f.write_text(f"some text {i} " * 50)
     prepare([str(f) for f in files], str(tmp_path / "tok"), val_fraction=0.3)
     with pytest.raises(DataError, match=r"exceeds model.vocab_size \(256\); set model.vocab_size=auto"):
         open_token_dir(tmp_path / "tok", 256)

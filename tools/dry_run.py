@@ -99,6 +99,23 @@ def card_gb() -> float:
     return 80.0
 
 
+def quiet_deepspeed_memory_reports() -> None:
+    """DeepSpeed's see_memory_usage prints four lines ("MA ... GB", "CPU Virtual Memory: ...") when
+    forced, and BF16_Optimizer forces it at every build: 6 reports per rank. In a dry run they
+    read the fake device's meter and this host's RAM, which say nothing about the layout (the
+    report's peaks are the figures that count), so the dry run's process makes it a no-op: in
+    deepspeed.runtime.utils for modules imported later, and in every deepspeed module that
+    already imported it by name."""
+    import deepspeed.runtime.utils as ds_utils
+    original = ds_utils.see_memory_usage
+
+    def silent(message, force=False):
+        return None
+    for module in [ds_utils] + [m for name, m in list(sys.modules.items()) if name.startswith("deepspeed.")]:
+        if getattr(module, "see_memory_usage", None) is original:
+            module.see_memory_usage = silent
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.from_plan:
@@ -117,6 +134,8 @@ def main(argv=None) -> int:
     limit_gb = args.gpu_memory_gb or card_gb()
     from moe_trainer.parallel.dryrun.capacity import capacity_line, verdict
     from moe_trainer.parallel.dryrun.runner import DryRunError, RuleError, Simulator, choose_ranks, format_report
+    import deepspeed.runtime.bf16_optimizer  # noqa: F401  (imported now, so that its see_memory_usage goes quiet)
+    quiet_deepspeed_memory_reports()
     try:
         sim = Simulator(args.config, args.overrides, args.world, args.gpus_per_node, args.micro_batches,
                         args.routing)

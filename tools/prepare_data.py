@@ -11,7 +11,11 @@ Byte-level tokens (vocab 320) unless a local Hugging Face tokenizer (a tokenizer
 directory holding one) is given; then its own end-of-text token separates documents (found in a
 tokenizer_config.json beside it, or by its usual names; --eos-token names it), and OUT_DIR gets
 a copy of the tokenizer (tokenizer.json, tokenizer_config.json) that the run directory and the
-Hugging Face export carry on. A document goes to validation by a hash of its text.
+Hugging Face export carry on.
+
+Validation: a document goes to validation by a hash of its text (blake2b), so the same records
+split the same way whether they come as .jsonl, .jsonl.gz, .jsonl.zst, Parquet or .txt files, in
+any order, and identical documents always fall on one side.
 
 Workers: --workers processes tokenize chunks of ~1 MB of text in batches (the tokenizers library's
 batch encode, one core each). Shards of --shard-tokens train tokens are written as they fill,
@@ -23,27 +27,42 @@ worker) and the tokenizer: 389 MB for the whole process tree with 2 workers and 
 a 500 MB JSONL, 343 MB on 100 MB (docs/BENCHMARKS_data.md).
 
 Interruption: the work happens in OUT_DIR.partial, renamed to OUT_DIR only when complete.
-Rerunning the same command resumes after the last finished shard; changed inputs or
-settings start it over.
+SIGTERM or Ctrl-C stops it with one line saying where (the workers are shut down first; exit
+143 or 130). Rerunning the same command resumes after the last finished shard, and writes
+exactly what an uninterrupted run writes; changed inputs or settings start it over.
 
 Point a run at the result with `--set data.path=OUT_DIR`: model.vocab_size=auto (the default)
 follows the data's vocabulary.
 """
 import argparse
+import signal
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_trainer.data import DataError, prepare  # noqa: E402
-from moe_trainer.data.prepare import SHARD_TOKENS  # noqa: E402
+from moe_trainer.data.prepare import SHARD_TOKENS, Interrupted  # noqa: E402
 
 
 def say(line: str) -> None:
     print(f"prepare_data: {line}", file=sys.stderr, flush=True)
 
 
-def main(argv=None) -> int:
+RECEIVED: list = []  # the signal that stopped the run
+
+
+def stop_on(signum, frame) -> None:
+    """SIGTERM (a scheduler, kill) as SIGINT is: an exception that unwinds, so the worker pool is
+    shut down and its semaphores released, instead of a silent death that leaks them. Repeats are
+    ignored while that shutdown runs (it takes milliseconds)."""
+    RECEIVED.append(signum)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir", help="directory to write (replaced atomically)")
     ap.add_argument("files", nargs="+", help="files, directories or globs (.txt, .jsonl[.gz|.zst], .parquet)")
@@ -57,18 +76,26 @@ def main(argv=None) -> int:
     ap.add_argument("--on-error", choices=("fail", "skip"), default="fail",
                     help="a line that is not JSON or a record without the text field: stop with its file and "
                          "line (fail, the default), or count it in the index and go on (skip)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.workers < 1 or args.shard_tokens < 1:
         ap.error("--workers and --shard-tokens must be at least 1")
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop_on)
     try:
         index = prepare(args.files, args.out_dir, args.tokenizer, args.field, args.val_fraction, args.eos_token,
                         workers=args.workers, shard_tokens=args.shard_tokens, on_error=args.on_error, say=say)
     except (DataError, OSError, UnicodeDecodeError) as e:
         say(str(e))
         return 2
-    except KeyboardInterrupt:
-        say(f"interrupted; run the same command again to resume from {args.out_dir}.partial")
-        return 130
+    except KeyboardInterrupt as e:  # prepare's Interrupted says where it stopped
+        say(str(e) if isinstance(e, Interrupted) else
+            f"stopped by {e or 'an interrupt'}; run the same command again to resume from {args.out_dir}.partial.")
+        return 128 + (RECEIVED[0] if RECEIVED else signal.SIGINT)
     s = index["splits"]
     tok = index["tokenizer"]
     skipped = f", {index['skipped']} malformed records skipped" if index["skipped"] else ""

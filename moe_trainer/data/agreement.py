@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from pathlib import Path
 from typing import Optional
 
@@ -44,7 +45,7 @@ def _summary(d: Path) -> str:
     """' (vocab N, end-of-text id E)' from a directory's tokenizer files, or '' where they cannot tell."""
     try:
         vocab = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
-        size = len(vocab.get("model", {}).get("vocab", {})) + len(vocab.get("added_tokens", []))
+        size = vocab_entries(vocab)
         cfg = d / "tokenizer_config.json"
         eos = json.loads(cfg.read_text()).get("eos_token") if cfg.is_file() else None
         eos = eos.get("content") if isinstance(eos, dict) else eos
@@ -55,6 +56,20 @@ def _summary(d: Path) -> str:
         return ""
 
 
+def vocab_entries(tokenizer_json: dict) -> int:
+    """The ids a tokenizer.json defines: its model's vocabulary and its added tokens, each id once
+    (an added special token usually sits in the model's vocabulary too: 8,000 entries, not 8,001)."""
+    model_vocab = tokenizer_json.get("model", {}).get("vocab", {})
+    # BPE / WordPiece: {token: id}; Unigram: [[piece, score], ...], ids by position
+    ids = set(range(len(model_vocab))) if isinstance(model_vocab, list) else set(model_vocab.values())
+    return len(ids | {t.get("id") for t in tokenizer_json.get("added_tokens", [])})
+
+
+def prepare_command(tokenizer: Path) -> str:
+    """The tools/prepare_data.py command line that makes token files with `tokenizer`."""
+    return f"python tools/prepare_data.py OUT_DIR CORPUS --tokenizer {shlex.quote(str(tokenizer))}"
+
+
 def check_same_tokenizer(what: str, other: Path, data_path: str, tokenizer: str = "",
                          remedy: Optional[str] = None) -> None:
     """`what` (e.g. "train.init_from X") carries the tokenizer files in directory `other`: they must be
@@ -63,8 +78,7 @@ def check_same_tokenizer(what: str, other: Path, data_path: str, tokenizer: str 
     theirs, described = data_tokenizer(data_path, tokenizer)
     if mine == theirs:
         return
-    remedy = remedy or f"prepare the data with that tokenizer (python tools/prepare_data.py --tokenizer {other} " \
-                       f"--input CORPUS --out DIR, then --set data.path=DIR)"
+    remedy = remedy or f"prepare the data with that tokenizer ({prepare_command(other)}, then --set data.path=OUT_DIR)"
     if not data_path:
         raise DataError(f"{what} carries its own tokenizer{_summary(Path(other))}, but no data.path is named, so the "
                         f"run would train it on the default byte-level corpus; {remedy}.")

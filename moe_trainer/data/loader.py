@@ -56,6 +56,35 @@ def run_vocab_size(data) -> int:
     return next(iter(sizes.values()))
 
 
+def own_tokenizer(token_dir: str) -> str:
+    """data.tokenizer naming a token directory's own tokenizer (as a run records it)."""
+    return str(Path(token_dir) / "tokenizer.json")
+
+
+def first_path(data) -> str:
+    """data.path, or a mixture's first source's path (its sources share one tokenizer); a config's data
+    section or its dict (config.yaml as read)."""
+    get = data.get if isinstance(data, dict) else lambda key, default: getattr(data, key)
+    sources = get("sources", [])
+    return str(sources[0]["path"]) if sources else str(get("path", "") or "")
+
+
+def resolve_tokenizer(data) -> None:
+    """data.tokenizer as a run uses and records it: the one given, else the token directory's own
+    (the default corpus's byte-level tokenizer stays '': it has no file outside a cache)."""
+    path = first_path(data)
+    if not data.tokenizer and path and megatron_prefix(path) is None and Path(own_tokenizer(path)).is_file():
+        data.tokenizer = own_tokenizer(path)
+
+
+def derived_tokenizer(data) -> bool:
+    """Does data.tokenizer name the data's own tokenizer (resolve_tokenizer's record, not a choice)? A
+    comparison of names only: it holds when the data has moved away, so a resume can still read the
+    config.yaml that recorded it, and follow a new data.path with its tokenizer."""
+    tokenizer = data.get("tokenizer", "") if isinstance(data, dict) else data.tokenizer
+    return bool(tokenizer) and bool(first_path(data)) and tokenizer == own_tokenizer(first_path(data))
+
+
 def run_data_dir(data) -> Optional[Path]:
     """data_dir of a data section (a mixture's first source: they share one tokenizer)."""
     return data_dir(run_paths(data)[0], data.tokenizer)

@@ -13,23 +13,25 @@ written there last and the directory renamed to OUT, so OUT is complete or absen
 the same inputs and settings resumes from the last checkpoint (finished shards are kept; the
 open ones are written again), and starts over when they changed.
 
-Documents go to validation by a hash (crc32) of their name: the file's path inside the directory
-given (its own name when given directly or by a glob) and the record's line or row, so where
-the inputs lie or how their paths are typed does not change the split.
+A document goes to validation by a hash of its text (inputs.SPLIT: blake2b of its UTF-8 bytes),
+so the split is a property of the document alone: the same records as .jsonl, .jsonl.gz,
+.jsonl.zst or Parquet rows fall the same way, identical documents always on one side, and
+neither the files' names, their order nor where a record sits in them moves a document. A .txt
+file is one document, hashed whole (its bytes, read once before its first piece is sent). The
+default corpus (write_token_dir) keeps its split by file name (crc32), so the runs that trained
+on it resume on the same tokens.
 """
 from __future__ import annotations
 
-import glob
-import gzip
 import itertools
 import json
 import multiprocessing
 import os
 import shutil
+import signal
 import time
-import zlib
 from collections import deque
-from dataclasses import dataclass
+from contextlib import closing
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -37,196 +39,16 @@ import numpy as np
 
 from .errors import DataError
 from .formats import FORMAT
+from .inputs import CHUNK_BYTES, SPLIT, Chunk, expand_inputs, name_in_val, read_chunks, text_in_val
 from .tokenizer import byte_tokenize, describe_tokenizer, load_tokenizer
 
-SUFFIXES = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".json", ".parquet", ".txt")
-CHUNK_BYTES = 1 << 20  # text per task: ~1 MB, a few tens of MB of encodings in a worker
 SHARD_TOKENS = 1 << 28  # 268M tokens per train shard (512 MB as uint16)
-PARQUET_ROWS = 1024
 IN_FLIGHT_PER_WORKER = 2  # chunks queued per worker: enough to keep it busy, a bound on memory
 PROGRESS = "progress.json"
 PROGRESS_EVERY_S = 5.0
 
 
-def expand_inputs(specs: Iterable[str]) -> list[tuple[Path, str]]:
-    """Files, directories (their files with a known suffix, recursively) and globs -> sorted
-    (file, name): the name is the path inside a directory given, else the file's own name."""
-    out = []
-    for spec in specs:
-        p = Path(spec)
-        if p.is_dir():
-            found = [(f, f.relative_to(p).as_posix()) for f in sorted(p.rglob("*"))
-                     if f.is_file() and f.name.endswith(SUFFIXES)]
-        elif p.is_file():
-            found = [(p, p.name)]
-        elif glob.has_magic(spec):
-            found = [(Path(f), Path(f).name) for f in sorted(glob.glob(spec, recursive=True)) if Path(f).is_file()]
-        else:
-            raise DataError(f"input file {spec} does not exist.")
-        if not found:
-            raise DataError(f"input {spec} names no .txt, .jsonl, .jsonl.gz, .jsonl.zst or .parquet file.")
-        out.extend(found)
-    return out
-
-
-def kind_of(path: Path) -> str:
-    """How a file is read: JSON lines (plain or compressed), Parquet rows, or one text document."""
-    for suffix, kind in ((".jsonl.gz", "gz"), (".jsonl.zst", "zst"), (".jsonl", "lines"), (".json", "lines"),
-                         (".parquet", "parquet")):
-        if path.name.endswith(suffix):
-            return kind
-    return "text"
-
-
-# ----------------------------------------------------------------------------- reading the inputs
-
-@dataclass
-class Chunk:
-    """A run of whole records (or a piece of one .txt document) for one worker task."""
-    name: str  # the input file, for messages
-    key: str  # its name for the split (expand_inputs)
-    first: int  # records (lines or rows) of the file before this chunk
-    kind: str  # "lines": JSON lines as bytes; "rows": Parquet texts; "text": a piece of a .txt document
-    payload: object
-    end: tuple  # (file, offset, record) where the next chunk starts: the resume point after this one
-    consumed: int  # input bytes read through this chunk, for progress
-    ends_doc: bool = True  # False for a .txt piece whose document goes on in the next chunk
-    is_val: bool = False  # "text": the document's split, from its first piece
-
-
-def _open_stream(path: Path, kind: str):
-    """(decompressed binary stream, the raw file whose tell() measures progress)."""
-    raw = open(path, "rb")
-    if kind == "gz":
-        return gzip.GzipFile(fileobj=raw), raw
-    if kind == "zst":
-        try:
-            import zstandard
-        except ImportError:
-            raw.close()
-            raise DataError(f"{path} needs the zstandard package (pip install -e '.[data]').") from None
-        return zstandard.ZstdDecompressor().stream_reader(raw), raw
-    return raw, raw
-
-
-def _skip(f, offset: int) -> None:
-    """Forward to `offset` of a decompressed stream (a resume: decompressing is cheap, tokenizing is not)."""
-    if f.seekable() and not isinstance(f, gzip.GzipFile):
-        f.seek(offset)
-        return
-    while offset > 0:
-        got = len(f.read(min(offset, 1 << 24)))
-        if got == 0:
-            break
-        offset -= got
-
-
-def _utf8_end(data: bytes) -> int:
-    """len(data) less a UTF-8 character cut short at its end."""
-    for k in range(1, min(4, len(data)) + 1):
-        b = data[-k]
-        if b & 0xC0 != 0x80:  # ASCII or a lead byte: the last character starts here
-            size = 1 if b < 0x80 else 2 if b < 0xE0 else 3 if b < 0xF0 else 4
-            return len(data) - k if size > k else len(data)
-    return len(data)
-
-
-def _blobs(f, chunk_bytes: int, whole_lines: bool) -> Iterator[bytes]:
-    """Blocks ending at a newline: each the stream's next chunk_bytes cut after its last newline, so
-    where the blocks fall depends only on where the first one starts (a resume cuts as the first
-    run did). A line longer than that is kept whole when `whole_lines` (a JSON record), else cut
-    where a UTF-8 character starts."""
-    data = b""
-    while True:
-        block = f.read(chunk_bytes - len(data) if len(data) < chunk_bytes else chunk_bytes)
-        data += block
-        if not block:
-            if data:
-                yield data
-            return
-        if len(data) < chunk_bytes:
-            continue  # a short read: fill the window first
-        cut = data.rfind(b"\n") + 1
-        if cut == 0 and not whole_lines:
-            cut = _utf8_end(data)
-        if cut == 0:
-            continue  # a record longer than the window: read on
-        yield data[:cut]
-        data = data[cut:]
-
-
-def _line_chunks(fi: int, path: Path, key: str, kind: str, offset: int, record: int, chunk_bytes: int,
-                 before: int) -> Iterator[Chunk]:
-    f, raw = _open_stream(path, kind)
-    with f, raw:
-        _skip(f, offset)
-        for blob in _blobs(f, chunk_bytes, whole_lines=True):
-            lines = blob.count(b"\n") + (not blob.endswith(b"\n"))
-            offset += len(blob)
-            yield Chunk(str(path), key, record, "lines", blob, (fi, offset, record + lines), before + raw.tell())
-            record += lines
-
-
-def _text_chunks(fi: int, path: Path, key: str, offset: int, chunk_bytes: int, before: int, val_fraction: float
-                 ) -> Iterator[Chunk]:
-    """One document per .txt file, in pieces at line ends when it is larger than a chunk. Shards
-    close only between documents, so a resume starts at a file's beginning or its end."""
-    with open(path, "rb") as f:
-        f.seek(offset)
-        pieces = _blobs(f, chunk_bytes, whole_lines=False)
-        piece = next(pieces, None)
-        while piece is not None:
-            following = next(pieces, None)
-            offset += len(piece)
-            yield Chunk(str(path), key, 0, "text", piece.decode("utf-8", errors="replace"), (fi, offset, 0),
-                        before + f.tell(), following is None, is_val(key, val_fraction))
-            piece = following
-
-
-def _parquet_chunks(fi: int, path: Path, key: str, row: int, field: str, before: int) -> Iterator[Chunk]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{path} needs the pyarrow package (pip install -e '.[data]').") from None
-    pf = pq.ParquetFile(path)
-    if field not in pf.schema_arrow.names:
-        raise DataError(f"{path} has no column {field!r} (it has {', '.join(pf.schema_arrow.names)}); name the "
-                        f"text column with --field.")
-    total, size = pf.metadata.num_rows, path.stat().st_size
-    starts = np.cumsum([0] + [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
-    group = int(np.searchsorted(starts, row, side="right")) - 1  # the row group holding `row`
-    at = int(starts[max(group, 0)])
-    for batch in pf.iter_batches(batch_size=PARQUET_ROWS, row_groups=range(max(group, 0), pf.num_row_groups),
-                                 columns=[field]):
-        texts = batch.column(0).to_pylist()[max(row - at, 0):]
-        at += batch.num_rows
-        if texts:
-            yield Chunk(str(path), key, row, "rows", texts, (fi, at, at), before + size * at // max(total, 1))
-            row = at
-
-
-def read_chunks(files: list[tuple[Path, str]], start: tuple, chunk_bytes: int, field: str, val_fraction: float
-                ) -> Iterator[Chunk]:
-    """The inputs from position `start` = (file, offset, record) on, as chunks in input order."""
-    sizes = [f.stat().st_size for f, _ in files]
-    for fi in range(start[0], len(files)):
-        offset, record = (start[1], start[2]) if fi == start[0] else (0, 0)
-        (path, key), before = files[fi], sum(sizes[:fi])
-        kind = kind_of(path)
-        if kind == "parquet":
-            yield from _parquet_chunks(fi, path, key, record, field, before)
-        elif kind == "text":
-            yield from _text_chunks(fi, path, key, offset, chunk_bytes, before, val_fraction)
-        else:
-            yield from _line_chunks(fi, path, key, kind, offset, record, chunk_bytes, before)
-
-
 # ----------------------------------------------------------------------------- tokenizing (in the workers)
-
-def is_val(name: str, val_fraction: float) -> bool:
-    """A document's split from its name (not its path as typed): crc32 into 100,000 buckets."""
-    return (zlib.crc32(name.encode()) % 100_000) < val_fraction * 100_000
-
 
 class Encoder:
     """Chunk -> its documents' ids per split, ended by EOS; bad records reported or counted."""
@@ -237,17 +59,16 @@ class Encoder:
         self.field, self.eos_id, self.dtype = field, eos_id, np.dtype(dtype)
         self.val_fraction, self.on_error = val_fraction, on_error
 
-    def records(self, chunk: Chunk) -> tuple[list[str], list[int], list[str]]:
-        """(texts, their 1-based lines or rows, messages of the records that are not a JSON object
-        with a string field)."""
+    def records(self, chunk: Chunk) -> tuple[list[str], list[str]]:
+        """(texts, messages of the records that are not a JSON object with a string field, naming
+        their 1-based line or row)."""
         if chunk.kind == "text":
-            return [chunk.payload], [0], []
+            return [chunk.payload], []
         if chunk.kind == "rows":
             rows = list(enumerate(chunk.payload, chunk.first + 1))
             bad = [f"{chunk.name} row {n} has no {self.field!r} string" for n, t in rows if not isinstance(t, str)]
-            good = [(n, t) for n, t in rows if isinstance(t, str)]
-            return [t for _, t in good], [n for n, _ in good], bad
-        texts, numbers, bad = [], [], []
+            return [t for t in chunk.payload if isinstance(t, str)], bad
+        texts, bad = [], []
         for n, line in enumerate(chunk.payload.split(b"\n"), chunk.first + 1):
             if not line.strip():
                 continue
@@ -257,10 +78,9 @@ class Encoder:
                 text = None
             if isinstance(text, str):
                 texts.append(text)
-                numbers.append(n)
             else:
                 bad.append(f"{chunk.name} line {n} is not a JSON object with a {self.field!r} string")
-        return texts, numbers, bad
+        return texts, bad
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         if self.tok is None:
@@ -270,12 +90,11 @@ class Encoder:
         return [e.ids for e in batch(texts, add_special_tokens=False)]
 
     def __call__(self, chunk: Chunk) -> dict:
-        texts, numbers, bad = self.records(chunk)
+        texts, bad = self.records(chunk)
         if bad and self.on_error == "fail":
             return {"error": bad[0] + " (--on-error skip counts such records and goes on)."}
         out = {"skipped": len(bad), "skipped_examples": bad[:3], "ends_doc": chunk.ends_doc}
-        val = [chunk.is_val] if chunk.kind == "text" else [is_val(f"{chunk.key}:{n}", self.val_fraction)
-                                                            for n in numbers]
+        val = [chunk.is_val] if chunk.kind == "text" else [text_in_val(t, self.val_fraction) for t in texts]
         for split, want in (("train", False), ("val", True)):
             out[split] = self._pack(self.encode([t for t, v in zip(texts, val) if v == want]), chunk.ends_doc)
         return out
@@ -296,6 +115,9 @@ _WORKER: dict = {}  # the worker process's Encoder, made once by _init_worker (t
 
 def _init_worker(args: tuple) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers is the parallelism
+    # Ctrl-C reaches the whole process group: the main process stops the pool (a worker's own
+    # KeyboardInterrupt would print its traceback and leave the pool half alive)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER["encoder"] = Encoder(*args)
 
 
@@ -429,23 +251,32 @@ def _dtype(vocab_size: int) -> str:
 # ----------------------------------------------------------------------------- the preparation
 
 class Progress:
-    """Throughput and ETA, said every PROGRESS_EVERY_S seconds."""
+    """Throughput and ETA, said every PROGRESS_EVERY_S seconds. The rate counts this session's
+    bytes only: from the first chunk it finished (a resume's first chunk already stands far into
+    the inputs), so the ETA is the bytes left at that rate."""
 
-    def __init__(self, total_bytes: int, done_bytes: int, say: Callable[[str], None]):
-        self.total, self.start_bytes, self.say = total_bytes, done_bytes, say
-        self.t0 = self.last = time.monotonic()
-        self.tokens = 0
+    def __init__(self, total_bytes: int, say: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
+        self.total, self.say, self.clock = total_bytes, say, clock
+        self.t0 = self.last = self.start_bytes = None
+        self.tokens, self.consumed = 0, 0
 
     def update(self, consumed: int, tokens: int) -> None:
+        now, self.consumed = self.clock(), consumed
+        if self.t0 is None:  # the baseline: where this session's first finished chunk ends
+            self.t0 = self.last = now
+            self.start_bytes = consumed
+            return
         self.tokens += tokens
-        now = time.monotonic()
         if now - self.last < PROGRESS_EVERY_S:
             return
         self.last, dt = now, max(now - self.t0, 1e-9)
         rate = (consumed - self.start_bytes) / dt  # input bytes/s
-        eta = (self.total - consumed) / rate if rate > 0 else float("inf")
-        self.say(f"{100 * consumed / max(self.total, 1):.1f}% of {self.total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, "
-                 f"{self.tokens / dt / 1e6:.2f}M tokens/s, ETA {eta:.0f} s")
+        eta = f"ETA {(self.total - consumed) / rate:.0f} s" if rate > 0 else "no ETA yet"
+        self.say(f"{self.done()} of {self.total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, "
+                 f"{self.tokens / dt / 1e6:.2f}M tokens/s, {eta}")
+
+    def done(self) -> str:
+        return f"{100 * self.consumed / max(self.total, 1):.1f}%"
 
 
 def _encoded(chunks: Iterator[Chunk], workers: int, encoder_args: tuple) -> Iterator[tuple[Chunk, dict]]:
@@ -476,7 +307,7 @@ def _settings(inputs: list[tuple[Path, str]], tok_meta: dict, field: str, val_fr
     return {"format": FORMAT, "inputs": [[str(p.resolve()), key, p.stat().st_size, p.stat().st_mtime_ns]
                                          for p, key in inputs],
             "tokenizer": tok_meta, "field": field, "val_fraction": val_fraction, "shard_tokens": shard_tokens,
-            "on_error": on_error}
+            "on_error": on_error, "split": SPLIT}
 
 
 def prepare(files: list[str], out_dir: str, tokenizer_path: Optional[str] = None, jsonl_field: str = "text",
@@ -499,42 +330,67 @@ def prepare(files: list[str], out_dir: str, tokenizer_path: Optional[str] = None
     settings = _settings(inputs, meta, jsonl_field, val_fraction, shard_tokens, on_error)
     state = _begin(partial, settings, say)
     writers = {s: ShardWriter(partial, s, state["shards"][s]) for s in ("train", "val")}
+    progress = Progress(sum(p.stat().st_size for p, _ in inputs), say)
     try:
         stats = _run(inputs, partial, writers, state, settings, vocab, tokenizer_path, meta["eos_id"], workers,
-                     chunk_bytes, say)
+                     chunk_bytes, say, progress)
         head = {"dtype": _dtype(vocab), "vocab_size": vocab, "eos_id": meta["eos_id"], "tokenizer": meta,
                 "skipped": stats["skipped"], "val_fraction": val_fraction,
-                "split": "by crc32 of each document's name: its file's (inside a directory given) and line"}
+                "split": SPLIT}
         return _finish(partial, out, writers, head, tok_files, val_fraction)
     except DataError:
         shutil.rmtree(partial, ignore_errors=True)  # bad input: a rerun would meet it again
         raise
+    except KeyboardInterrupt as e:  # SIGINT, or a signal the caller turned into one (tools/prepare_data.py)
+        raise Interrupted(stopped_sentence(str(e) or "an interrupt", progress, partial, len(inputs))) from None
 
 
-def _run(inputs, partial, writers, state, settings, vocab, tokenizer_path, eos_id, workers, chunk_bytes, say
-         ) -> dict:
-    """Encode and write from the recorded position on; a checkpoint whenever the train shard fills."""
+class Interrupted(KeyboardInterrupt):
+    """prepare() stopped by a signal; its message says where, and that the same command resumes."""
+
+
+def stopped_sentence(what: str, progress: Progress, partial: Path, files: int) -> str:
+    """Where an interrupted preparation stopped and where a rerun picks up (the last checkpoint)."""
+    try:
+        state = json.loads((partial / PROGRESS).read_text())
+        kept, (fi, _, record) = len(state["shards"]["train"]), state["position"]
+        resume = (f"which keeps {kept} finished train shard{'s' if kept != 1 else ''} and goes on from input "
+                  f"file {fi + 1} of {files}, record {record + 1}")
+    except (OSError, ValueError, KeyError):
+        resume = "from the start"
+    return (f"stopped by {what} at {progress.done()} of the input; the worker processes are shut down; run the "
+            f"same command again to resume from {partial}, {resume}.")
+
+
+def _run(inputs, partial, writers, state, settings, vocab, tokenizer_path, eos_id, workers, chunk_bytes, say,
+         progress: Progress) -> dict:
+    """Encode and write from the recorded position on; a checkpoint whenever the train shard fills.
+    Whatever ends it (an error, an interrupt), the worker pool is shut down on the way out."""
     stats = dict(state["stats"])
-    position = tuple(state["position"])
-    total = sum(p.stat().st_size for p, _ in inputs)
-    done = sum(p.stat().st_size for p, _ in inputs[:position[0]])
-    progress = Progress(total, done, say)
     args = (tokenizer_path, settings["field"], eos_id, _dtype(vocab), settings["val_fraction"], settings["on_error"])
-    chunks = read_chunks(inputs, position, chunk_bytes, settings["field"], settings["val_fraction"])
-    for chunk, enc in _encoded(chunks, workers, args):
-        if "error" in enc:
-            raise DataError(enc["error"])
-        for split, w in writers.items():
-            w.write(*enc[split])
-        for example in enc["skipped_examples"][:max(0, 3 - stats["skipped"])]:
-            say(f"skipped: {example}")
-        stats["skipped"] += enc["skipped"]
-        tokens = len(enc["train"][0]) + len(enc["val"][0])
-        stats["tokens"] += tokens
-        progress.update(chunk.consumed, tokens)
-        if enc["ends_doc"] and writers["train"].tokens >= settings["shard_tokens"]:
-            _checkpoint(partial, writers, settings, chunk.end, stats)
+    chunks = read_chunks(inputs, tuple(state["position"]), chunk_bytes, settings["field"], settings["val_fraction"])
+    with closing(_encoded(chunks, workers, args)) as encoded:
+        for chunk, enc in encoded:
+            _take(chunk, enc, partial, writers, settings, stats, progress, say)
     return stats
+
+
+def _take(chunk: Chunk, enc: dict, partial: Path, writers: dict, settings: dict, stats: dict, progress: Progress,
+          say: Callable[[str], None]) -> None:
+    """One encoded chunk: its ids appended to the open shards, its counts, and a checkpoint when
+    the train shard is full."""
+    if "error" in enc:
+        raise DataError(enc["error"])
+    for split, w in writers.items():
+        w.write(*enc[split])
+    for example in enc["skipped_examples"][:max(0, 3 - stats["skipped"])]:
+        say(f"skipped: {example}")
+    stats["skipped"] += enc["skipped"]
+    tokens = len(enc["train"][0]) + len(enc["val"][0])
+    stats["tokens"] += tokens
+    progress.update(chunk.consumed, tokens)
+    if enc["ends_doc"] and writers["train"].tokens >= settings["shard_tokens"]:
+        _checkpoint(partial, writers, settings, chunk.end, stats)
 
 
 # ----------------------------------------------------------------------------- ids already made (the default corpus)
@@ -558,7 +414,7 @@ def write_token_dir(out_dir: Path, docs: Iterable[tuple[str, np.ndarray]], vocab
             top = int(ids.max())
             if top >= vocab_size:
                 raise DataError(f"document {name} has token id {top} >= vocab_size {vocab_size}.")
-            w = writers["val" if is_val(name, val_fraction) else "train"]
+            w = writers["val" if name_in_val(name, val_fraction) else "train"]
             w.write(np.append(ids.astype(dtype), np.array([eos_id], dtype=dtype)), 1, max(top, eos_id))
             if w.tokens >= shard_tokens:
                 w.close()
