@@ -2,6 +2,7 @@
 
   tokenizer.py  the byte-level default and local Hugging Face tokenizers (files that travel with the tokens)
   formats.py    our token directory (shards + index.json) and Megatron's indexed dataset, read in place
+  inputs.py     prepare's inputs (text, JSON lines plain/.gz/.zst, Parquet) as chunks; the split by a text's hash
   prepare.py    text -> token directory: streaming, parallel workers, bounded shards, resumable
   sampling.py   sample i -> window by a keyed bijection (O(1) memory), and the batches
   mixture.py    data.sources: sample i -> source by a fixed within-one-sample schedule, then its window
