@@ -167,7 +167,7 @@ def _run_time(args, argv) -> int:
     else:
         cfg = load_config(args.config, args.set, read_init_from=True)
         setup = setup_from_config(cfg, args.gpus, args.zero, args.gpus_per_node)
-        mech = time_mod.Mechanisms()
+        mech = time_mod.trainer_mechanisms(cfg.train.compile)
     mech = time_mod.dataclasses.replace(mech, a2a_overlap=mech.a2a_overlap or args.overlap,
                                         gemm_dtype=args.gemm_dtype or mech.gemm_dtype)
     gpu, eff = _gpu_eff(args)
@@ -188,7 +188,7 @@ def _run_search(args, argv) -> int:
                              f"architecture the trainer does not build), which --time estimates.")
     cfg = load_config(args.config, args.set, read_init_from=True)
     gpu, eff = _gpu_eff(args)
-    mech = time_mod.Mechanisms(a2a_overlap=args.overlap, gemm_dtype=args.gemm_dtype or "bf16")
+    mech = time_mod.trainer_mechanisms(cfg.train.compile, args.overlap, args.gemm_dtype or "bf16")
     value, _ = _natural(args, setup_from_config(cfg, args.gpus))
     best, tried, fit = search_mod.search(cfg, args.gpus, gpu, eff, mech, args.gpu_memory_gb, value)
     if not best:
