@@ -7,14 +7,19 @@ The model, per optimizer step, on the busiest pipeline stage (the one with the m
   the forward's size each), the causal flash-attention core at its forward / backward efficiency,
   and the memory-bound glue (its bytes at the HBM rate); recomputation adds a forward (full) or the
   norms' and SwiGLU activations' forward glue (selective, parallel/recompute.py's). Routed experts'
-  GEMMs scale with the load imbalance (the busiest EP rank's share over the mean).
+  GEMMs scale with the load imbalance (the busiest EP rank's share over the mean). The fp32
+  gradient accumulation's traffic per micro-batch, unless fused into the weight-gradient GEMM.
 - communication per micro-batch: the planner's bytes (comm.py) over NCCL's achievable bus bandwidth:
   TP and CP rings inside a node at NVLink speed (across nodes: the network's), the expert
   all-to-all's NVLink and network parts at once (both scaled by the imbalance), pipeline sends over
   the network. Per step: the ZeRO-1 gradient reduction and parameter all-gather.
 - exposed: what the framework does not hide (`Mechanisms`): our trainer today overlaps none of it;
-  `--overlap` hides the all-to-all behind the other micro-batch's compute (min(compute, a2a)), as
-  DualPipe and Megatron's combined 1F1B do.
+  `--overlap` pairs a forward and a backward micro-batch, as DualPipe and Megatron's combined 1F1B
+  do: each of a MoE block's four transfers hides only behind the partner's compute phase beside it
+  (`_paired_a2a_exposed`), on the SMs communication leaves.
+- host: the kernels a block launches (the kernel proxy's counts) at the host's cost per launch
+  (eager, compiled, a fused framework, CUDA graphs), BF16_Optimizer's eager hooks; a micro-batch takes
+  the longer of device and host time, per MoE block when a tokens-per-expert read drains the queue.
 - schedule: m micro-batches of (compute + exposed) and the bubble (p-1)/v of them (1F1B, interleaved
   over v chunks: (p-1)/(v m + p-1) of the whole), or DualPipe's (p/2 - 1)(F&B + B - 3W).
 - optimizer: Adam over the rank's ZeRO-1 shard, memory-bound (fp32 grad, master, m, v).
@@ -27,8 +32,9 @@ from typing import Optional
 
 from .gpus import Efficiency, Gpu
 from .params import PlanError, is_moe_layer
-from .work import (PARAM_TENSORS_PER_BLOCK, Gemm, Setup, block_kernels, block_work, dp_strides, ep_remote_share, head_work, node_dedup_bytes,
-                   rank_bytes, rank_params, spans_nodes, stage_blocks, uniform_imbalance)
+from .work import (PARAM_TENSORS_PER_BLOCK, Gemm, Setup, block_kernels, block_work, dp_strides, ep_remote_share,
+                   head_work, node_dedup_bytes, rank_bytes, rank_params, spans_nodes, stage_blocks,
+                   uniform_imbalance)
 
 SCHEDULES = ("1f1b", "dualpipe")
 HOSTS = ("eager", "compiled", "fused", "graphs")
@@ -133,11 +139,11 @@ def _block_seconds(s: Setup, layer: int, gpu: Gpu, eff: Efficiency, mech: Mechan
     out = {"gemm": 0.0, "expert_gemm": 0.0, "attention": 0.0, "glue": 0.0}
     w = block_work(s, layer, imbalance)
     attn_side = 0.0
-    names = [n for n in _attention_weight_names(s, layer)]
+    n_attn = len(_attention_weight_names(s, layer))  # block_work lists the attention's GEMMs first
     for i, g in enumerate(w.gemms):
         t = (fwd_passes + 2) * _gemm_seconds(g, gpu, eff, mech, s.act_bytes)
         out["expert_gemm" if g.grouped else "gemm"] += t
-        attn_side += t if i < len(names) else 0.0
+        attn_side += t if i < n_attn else 0.0
     attn_fwd = w.attn_flops / (attn_peak * eff.attn_fwd)
     extra = attn_fwd if s.recompute == "full" else 0.0
     out["attention"] = attn_fwd + extra + w.attn_bwd_flops / (attn_peak * eff.attn_bwd)
@@ -307,13 +313,14 @@ def _per_micro_batch(kinds: dict, comm: dict, mech: Mechanisms, host: dict,
 
 
 def _moe_block(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms, imbalance: float) -> tuple:
-    for (is_moe, mtp), (layer, n) in _stage_kinds(s, stage).items():
-        if is_moe and not mtp:
-            secs, share = _block_seconds(s, layer, gpu, eff, mech, imbalance)
-            slow = 1 - mech.comm_sm_share if mech.a2a_overlap else 1.0
-            return sum(n2 for (m2, _), (_, n2) in _stage_kinds(s, stage).items() if m2), sum(secs.values()) / slow, \
-                share
-    return 0, 0.0, 0.5
+    """(MoE blocks on `stage`, device seconds of one decoder MoE block, its attention side's share)."""
+    kinds = _stage_kinds(s, stage)
+    moe = [(layer, n) for (is_moe, mtp), (layer, n) in kinds.items() if is_moe and not mtp]
+    if not moe:
+        return 0, 0.0, 0.5
+    secs, share = _block_seconds(s, moe[0][0], gpu, eff, mech, imbalance)
+    slow = 1 - mech.comm_sm_share if mech.a2a_overlap else 1.0
+    return sum(n for (is_moe, _), (_, n) in kinds.items() if is_moe), sum(secs.values()) / slow, share
 
 
 def step_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms = TRAINER_TODAY,

@@ -107,5 +107,5 @@ def format_calibration(rows: list[tuple[Published, StepTime]]) -> str:
         body.append([pub.name, f"{fmt(pub.figure)} {unit[pub.unit]}", fmt(est), f"{ratio(pub.unit, est, pub.figure):.2f}",
                      f"{r.step:.2f} s: compute {r.compute:.2f}, exposed comm {r.exposed_comm:.2f}, bubble "
                      f"{r.bubble:.2f}, optimizer {r.optimizer:.3f}, waiting for the host {r.host_wait:.2f}"])
-    return "\n".join(_table(["run", "published", "estimate", "estimate / published speed", "estimated step"],
+    return "\n".join(_table(["run", "published (or measured)", "estimate", "estimate / published speed", "estimated step"],
                             body)) + "\n"
