@@ -130,7 +130,7 @@ def test_the_published_runs():
       checkpoints, the batch-size warm-up, evaluation), the model a steady-state step;
     - Qwen3-235B-A22B 2.0x: a compute-bound step in the model that the recipe's own measurements (245
       TFLOP/s without EP overlap, 276 with) put at half the rate; host launches at the sourced 9 us per
-      kernel do not bind it (at this trainer's eager 73 us they would: 1.4x);
+      kernel do not bind it (at this trainer's eager 72 us they would: 1.42x);
     - moe_1b_gpu compiled 1.95x: the model's device time is half the measured step and the sourced
       launch costs keep it device-bound: the missing second is not split without a profile."""
     got = {}
