@@ -118,7 +118,7 @@ def _gqa_moe_setup(mod: dict, tr: dict, par: dict, gpus: int, name: str) -> Setu
                  zero=1, dedup_dispatch=False, gpus_per_node=8, partition=partition, moe_order=True)
 
 
-# ----------------------------------------------------------------------------- the four calibration runs
+# ----------------------------------------------------------------------------- the calibration runs
 
 CALIBRATION = (
     Published(
@@ -130,7 +130,8 @@ CALIBRATION = (
         config="configs/llama3_405b.yaml", overrides=("parallel.virtual_stages=2",),
         assumptions="interleaved 1F1B with v = 2 chunks per rank (the paper uses an interleaved schedule and "
                     "does not give v; 126 layers on 32 chunks); data-parallel reduction overlapped with the "
-                    "backward and pipeline sends asynchronous (sec. 3.3.2); TP collectives exposed"),
+                    "backward and pipeline sends asynchronous (sec. 3.3.2); TP collectives exposed; fused "
+                    "kernels launched at launch_us and fp32 accumulation inside the GEMMs (not stated: assumed)"),
     Published(
         name="DeepSeek-V3 671B (DeepSeek-V3 technical report, arXiv:2412.19437)", gpu="h800", gpus=2048,
         figure=180e3, unit="gpu_hours_per_trillion_tokens", balance="natural",
@@ -144,7 +145,8 @@ CALIBRATION = (
                     "dispatch over IB once per target node (at most 4) in FP8, combine in BF16, bubble (p/2 - 1)(F&B + B - 3W) with W = B/2, compute slowed by the 20 SMs given to "
                     "communication; FP8 GEMMs, BF16 attention; recomputation of RMSNorm and the MLA "
                     "up-projections only (counted as none); load imbalance of uniform routing (the bias "
-                    "balances the expected load); 120 micro-batches per step (15,360 sequences of 4K)"),
+                    "balances the expected load); 120 micro-batches per step (15,360 sequences of 4K); its "
+                    "own fused kernels launched at launch_us, a tokens-per-expert read per MoE block"),
 )
 
 
