@@ -70,26 +70,69 @@ def test_bubble_and_overlap_follow_their_formulas():
     cfg = _cfg("deepseek_v3_671b.yaml")
     s = setup_from_config(cfg, 2048)
     gpu, eff = gpu_named("h800"), Efficiency()
-    plain = step_time(s, gpu, eff, Mechanisms(), 1.0)
+    mech = Mechanisms(host="graphs")  # no host term: the device's own schedule
+    plain = step_time(s, gpu, eff, mech, 1.0)
     per_mb = plain.step - plain.bubble - plain.split["data_parallel"] - plain.optimizer
     p, m = s.pp, s.micro_batches
     assert plain.bubble / (per_mb + plain.bubble) == pytest.approx((p - 1) / (m + p - 1), rel=1e-9)
-    over = step_time(s, gpu, eff, Mechanisms(a2a_overlap=True), 1.0)
+    over = step_time(s, gpu, eff, dataclasses.replace(mech, a2a_overlap=True), 1.0)
     a2a = plain.totals["all_to_all"]
-    hidden = min(plain.compute, a2a)
-    assert over.split["all_to_all"] == pytest.approx(a2a - hidden, rel=1e-9)
+    # paired sub-layer overlap hides at most what min(compute, all-to-all) would, and here not all of it
+    assert a2a - min(plain.compute, a2a) <= over.split["all_to_all"] < a2a
     assert over.step < plain.step
-    inter = step_time(dataclasses.replace(s, virtual_stages=4), gpu, eff, Mechanisms(), 1.0)
+    inter = step_time(dataclasses.replace(s, virtual_stages=4), gpu, eff, mech, 1.0)
     busy = inter.step - inter.bubble - inter.split["data_parallel"] - inter.optimizer
     assert inter.bubble / (busy + inter.bubble) == pytest.approx((p - 1) / (4 * m + p - 1), rel=1e-9)
-    worse = step_time(s, gpu, eff, Mechanisms(), 1.3)
+    worse = step_time(s, gpu, eff, mech, 1.3)
     assert worse.totals["compute.expert_gemm"] > plain.totals["compute.expert_gemm"] * 1.25
 
 
+def test_paired_overlap_hides_each_transfer_behind_its_partner_only():
+    """Each of a MoE block's four transfers hides behind one compute phase of the paired micro-batch:
+    compute longer than every transfer hides all; one long transfer shows by its excess alone."""
+    from moe_trainer.plan.time import _paired_a2a_exposed
+    mech = Mechanisms(a2a_overlap=True)
+    assert _paired_a2a_exposed(4.0, 12.0, 0.5, mech) == 0.0  # slots of 2, 4, 2, 4 against transfers of 1
+    assert _paired_a2a_exposed(4.0, 0.0, 0.5, mech) == pytest.approx(4.0)  # nothing to hide behind
+    # all compute on the MLP side: the two transfers beside attention phases (1 each) stay exposed
+    assert _paired_a2a_exposed(4.0, 30.0, 0.0, mech) == pytest.approx(2.0)
+    # FP8 dispatch: the forward dispatch is half a transfer (4 = 0.5 u + 3 u)
+    assert _paired_a2a_exposed(3.5, 0.0, 0.5, dataclasses.replace(mech, fp8_dispatch=True)) == pytest.approx(3.5)
+
+
+def test_host_launches_bound_a_small_model_and_syncs_drain_the_queue():
+    """moe_bench (a few million parameters) is launch-bound eager: its step is the host's; compiling
+    launches fewer kernels for less each; at ep > 1 the tokens-per-expert read per MoE block stops the
+    host from running ahead, so the same launches cost more than at ep 1."""
+    gpu, eff = gpu_named("h200"), Efficiency()
+    bench = setup_from_config(_cfg("moe_bench.yaml"), 1)
+    eager = step_time(bench, gpu, eff, Mechanisms(host="eager"), 1.0)
+    assert eager.host_wait > 0.9 * (eager.step - eager.optimizer)
+    # the figure host_eager_us comes from: 0.197 s per step on the H200 (docs/BENCHMARKS.md)
+    assert eager.step == pytest.approx(0.197, rel=0.1)
+    compiled = step_time(bench, gpu, eff, Mechanisms(host="compiled", fused_glue=True), 1.0)
+    assert compiled.step < eager.step / 2
+    graphs = step_time(bench, gpu, eff, Mechanisms(host="graphs", grad_accum_fusion=True), 1.0)
+    assert graphs.host_wait == 0.0
+    hooks = step_time(bench, gpu, eff, Mechanisms(host="graphs"), 1.0)  # BF16_Optimizer's hooks stay eager
+    assert hooks.host_wait > 0
+    s = setup_from_config(_cfg("moe_1b_8gpu.yaml"), 8)
+    assert s.ep > 1
+    drained = step_time(s, gpu, eff, Mechanisms(host="compiled", fused_glue=True), 1.0)
+    free = step_time(s, gpu, eff, Mechanisms(host="compiled", fused_glue=True, a2a_sync=False), 1.0)
+    assert drained.step > free.step
+
+
 def test_the_published_runs():
-    """Llama 3 405B and Mixtral 8x22B land within +-20% of their published figures. DeepSeek-V3 and
-    Qwen3-235B-A22B do not: the model predicts them 1.3x and 2.3x faster than published (docs/PLANS.md
-    names what it leaves out); held where they land, so that a change to either shows."""
+    """Within +-20%: Llama 3 405B, Mixtral 8x22B and this trainer's eager moe_1b_gpu on one H200. Held where
+    they land, outside the band (docs/PLANS.md, "Held to published runs", says why for each):
+    - DeepSeek-V3 1.29x: the published figure is GPU hours over the whole pre-training (restarts,
+      checkpoints, the batch-size warm-up, evaluation), the model a steady-state step;
+    - Qwen3-235B-A22B 2.0x: a compute-bound step in the model that the recipe's own measurements (245
+      TFLOP/s without EP overlap, 276 with) put at half the rate; host launches at the sourced 9 us per
+      kernel do not bind it (at this trainer's eager 72 us they would: 1.42x);
+    - moe_1b_gpu compiled 1.95x: the model's device time is half the measured step and the sourced
+      launch costs keep it device-bound: the missing second is not split without a profile."""
     got = {}
     for pub, setup in published.calibration_setups(ROOT):
         r = step_time(setup, gpu_named(pub.gpu), Efficiency(), pub.mechanisms, 1.0 if pub.balance == "forced" else None)
@@ -97,8 +140,10 @@ def test_the_published_runs():
         got[pub.name.split(" (")[0]] = published.ratio(pub.unit, est, pub.figure)
     assert 0.8 <= got["Llama 3 405B, 8K"] <= 1.2
     assert 0.8 <= got["Mixtral 8x22B"] <= 1.2
-    assert 1.2 < got["DeepSeek-V3 671B"] < 1.45
-    assert 2.2 < got["Qwen3-235B-A22B"] < 2.5
+    assert 0.8 <= got["moe_1b_gpu eager"] <= 1.2
+    assert 1.2 < got["DeepSeek-V3 671B"] < 1.4
+    assert 1.85 < got["Qwen3-235B-A22B"] < 2.15
+    assert 1.8 < got["moe_1b_gpu compiled"] < 2.1
 
 
 @pytest.mark.parametrize("name,gpus,gpu", [("deepseek_v3_671b.yaml", 2048, "h800"), ("llama3_405b.yaml", 16384, "h100")])

@@ -6,7 +6,7 @@
   python tools/plan.py zero --params 7.5e9 --dp 64
   python tools/plan.py --config configs/deepseek_v3_671b.yaml --gpus 2048 --time --gpu h800 [--overlap]
   python tools/plan.py --config configs/llama3_405b.yaml --gpus 16384 --search --gpu h100 --json PLAN.json
-  python tools/plan.py calibrate    the four published runs: estimate against published figure
+  python tools/plan.py calibrate    the four published runs and this trainer's H200 runs: estimate against figure
 
 The logic lives in the moe_trainer/plan package; this file only parses arguments.
 """
@@ -40,6 +40,7 @@ subcommand:
                                     (see `tools/plan.py zero --help`)
   calibrate                         the step-time model against the four published runs
                                     (Llama 3 405B, DeepSeek-V3, Qwen3-235B-A22B, Mixtral 8x22B)
+                                    and this trainer's moe_1b_gpu on one H200, eager and compiled
 
 what the plan reports (markdown, or JSON with --json):
   parameters by part, total and activated per token; model states per rank for ZeRO 0-3 under
@@ -167,7 +168,7 @@ def _run_time(args, argv) -> int:
     else:
         cfg = load_config(args.config, args.set, read_init_from=True)
         setup = setup_from_config(cfg, args.gpus, args.zero, args.gpus_per_node)
-        mech = time_mod.Mechanisms()
+        mech = time_mod.trainer_mechanisms(cfg.train.compile)
     mech = time_mod.dataclasses.replace(mech, a2a_overlap=mech.a2a_overlap or args.overlap,
                                         gemm_dtype=args.gemm_dtype or mech.gemm_dtype)
     gpu, eff = _gpu_eff(args)
@@ -188,7 +189,7 @@ def _run_search(args, argv) -> int:
                              f"architecture the trainer does not build), which --time estimates.")
     cfg = load_config(args.config, args.set, read_init_from=True)
     gpu, eff = _gpu_eff(args)
-    mech = time_mod.Mechanisms(a2a_overlap=args.overlap, gemm_dtype=args.gemm_dtype or "bf16")
+    mech = time_mod.trainer_mechanisms(cfg.train.compile, args.overlap, args.gemm_dtype or "bf16")
     value, _ = _natural(args, setup_from_config(cfg, args.gpus))
     best, tried, fit = search_mod.search(cfg, args.gpus, gpu, eff, mech, args.gpu_memory_gb, value)
     if not best:
@@ -221,7 +222,7 @@ def _run_search(args, argv) -> int:
 
 
 def _run_calibrate(argv: list[str]) -> int:
-    """The four published runs against their figures."""
+    """The four published runs and this trainer's measured GPU runs against their figures."""
     if argv:
         print("error: calibrate takes no arguments.", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -53,7 +53,9 @@ def predict(ranks: int, threads: int) -> dict:
     bw = copy_bandwidth()
     cpu = Gpu(f"this CPU ({threads} threads per rank)", tflops, 0.0, bw / 1e12, bw / 1e9, bw / 1e9, ranks,
               "measured: metrics.measure_matmul_tflops and a tensor copy")
-    eff = Efficiency(gemm=1.0, grouped=1.0, attn_fwd=1.0, attn_bwd=1.0, memory=1.0, nvlink=1.0, net=1.0, a2a=1.0)
+    # a CPU rank runs each op in the thread that dispatches it: no launch queue for the host to fall behind
+    eff = Efficiency(gemm=1.0, grouped=1.0, attn_fwd=1.0, attn_bwd=1.0, memory=1.0, nvlink=1.0, net=1.0, a2a=1.0,
+                     host_eager_us=0.0, launch_us=0.0, graph_us=0.0, sync_us=0.0)
     cfg = load_config(str(ROOT / CONFIG), ["train.dtype=fp32"])
     r = step_time(setup_from_config(cfg, ranks, gpus_per_node=ranks), cpu, eff, Mechanisms(), 1.0)
     return {"matmul_tflops": tflops, "copy_gbs": bw / 1e9, "step_s": r.step, "compute_s": r.compute,

@@ -22,7 +22,7 @@ from .pipeline import balanced_partition
 from .time import Mechanisms
 from .work import Setup
 
-UNITS = ("tflops_per_gpu", "mfu", "gpu_hours_per_trillion_tokens")
+UNITS = ("tflops_per_gpu", "mfu", "gpu_hours_per_trillion_tokens", "tokens_per_s_per_gpu")
 _MODEL_KEYS = {"model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size"}
 _TRAIN_KEYS = {"seq_len", "micro_batch_size", "global_batch_size"}
@@ -118,7 +118,7 @@ def _gqa_moe_setup(mod: dict, tr: dict, par: dict, gpus: int, name: str) -> Setu
                  zero=1, dedup_dispatch=False, gpus_per_node=8, partition=partition, moe_order=True)
 
 
-# ----------------------------------------------------------------------------- the four calibration runs
+# ----------------------------------------------------------------------------- the calibration runs
 
 CALIBRATION = (
     Published(
@@ -126,11 +126,12 @@ CALIBRATION = (
         figure=400.0, unit="tflops_per_gpu", balance="forced",
         source="arXiv:2407.21783 sec. 3.3.2, Table 4: 16,384 H100, TP 8, CP 1, PP 16, DP 128, 400 TFLOPs/GPU",
         mechanisms=Mechanisms(tp_overlap=False, dp_overlap=True, p2p_overlap=True, dp_reduce_scatter=True,
-                              fused_glue=True),
+                              fused_glue=True, host="fused", grad_accum_fusion=True),
         config="configs/llama3_405b.yaml", overrides=("parallel.virtual_stages=2",),
         assumptions="interleaved 1F1B with v = 2 chunks per rank (the paper uses an interleaved schedule and "
                     "does not give v; 126 layers on 32 chunks); data-parallel reduction overlapped with the "
-                    "backward and pipeline sends asynchronous (sec. 3.3.2); TP collectives exposed"),
+                    "backward and pipeline sends asynchronous (sec. 3.3.2); TP collectives exposed; fused "
+                    "kernels launched at launch_us and fp32 accumulation inside the GEMMs (not stated: assumed)"),
     Published(
         name="DeepSeek-V3 671B (DeepSeek-V3 technical report, arXiv:2412.19437)", gpu="h800", gpus=2048,
         figure=180e3, unit="gpu_hours_per_trillion_tokens", balance="natural",
@@ -138,19 +139,41 @@ CALIBRATION = (
                "EP 64 over 8 nodes, ZeRO-1 DP, DualPipe, FP8 GEMMs, 20 of 132 SMs for communication",
         mechanisms=Mechanisms(a2a_overlap=True, dp_overlap=True, p2p_overlap=True, schedule="dualpipe",
                               comm_sm_share=20 / 132, fused_glue=True, gemm_dtype="fp8", node_dedup=True,
-                              fp8_dispatch=True),
+                              fp8_dispatch=True, host="fused", grad_accum_fusion=True),
         config="configs/deepseek_v3_671b.yaml", overrides=("parallel.recompute=none",),
         assumptions="DualPipe: all-to-all and pipeline sends hidden behind the paired micro-batch's compute, "
                     "dispatch over IB once per target node (at most 4) in FP8, combine in BF16, bubble (p/2 - 1)(F&B + B - 3W) with W = B/2, compute slowed by the 20 SMs given to "
                     "communication; FP8 GEMMs, BF16 attention; recomputation of RMSNorm and the MLA "
                     "up-projections only (counted as none); load imbalance of uniform routing (the bias "
-                    "balances the expected load); 120 micro-batches per step (15,360 sequences of 4K)"),
+                    "balances the expected load); 120 micro-batches per step (15,360 sequences of 4K); its "
+                    "own fused kernels launched at launch_us, a tokens-per-expert read per MoE block"),
 )
 
 
-def calibration_setups(root: Path) -> list[tuple[Published, Setup]]:
-    """The four runs and their setups: the two trainer configs above with their overrides, and the
-    two published-run files."""
+# this trainer on one H200 (docs/BENCHMARKS.md, First GPU run, 2026-12-04: scripts/gpu_check.sh --quick, median
+# of steps 5-12): the same config eager and compiled
+MEASURED = (
+    Published(
+        name="moe_1b_gpu eager (this trainer, one H200, docs/BENCHMARKS.md First GPU run)", gpu="h200", gpus=1,
+        figure=15890.0, unit="tokens_per_s_per_gpu", balance="forced",
+        source="scripts/gpu_check.sh on one H200, 2026-12-04: 15,890 tokens/s, 4.127 s per step",
+        mechanisms=Mechanisms(host="eager"), config="configs/moe_1b_gpu.yaml", overrides=("train.compile=false",),
+        assumptions="this trainer's eager path: the kernel proxy's eager kernel counts at host_eager_us each "
+                    "(measured on configs/moe_bench.yaml on the same H200), BF16_Optimizer's fp32 accumulation"),
+    Published(
+        name="moe_1b_gpu compiled (this trainer, one H200, docs/BENCHMARKS.md First GPU run)", gpu="h200", gpus=1,
+        figure=31537.0, unit="tokens_per_s_per_gpu", balance="forced",
+        source="scripts/gpu_check.sh on one H200, 2026-12-04: 31,537 tokens/s, 2.078 s per step",
+        mechanisms=Mechanisms(host="compiled", fused_glue=True), config="configs/moe_1b_gpu.yaml",
+        overrides=("train.compile=true",),
+        assumptions="train.compile: inductor's kernel counts and glue bytes (kernel proxy --compiled) at "
+                    "launch_us per kernel; BF16_Optimizer's hooks stay eager"),
+)
+
+
+def calibration_setups(root: Path, measured: bool = True) -> list[tuple[Published, Setup]]:
+    """The four published runs and their setups: the two trainer configs above with their overrides,
+    the two published-run files; then (`measured`) this trainer's own runs on a GPU."""
     from ..resolve import load_config
     from .work import setup_from_config
     out = []
@@ -160,6 +183,9 @@ def calibration_setups(root: Path) -> list[tuple[Published, Setup]]:
     for name in ("qwen3_235b_a22b.yaml", "mixtral_8x22b.yaml"):
         pub, setup = load_published(str(root / "configs" / name))
         out.append((dataclasses.replace(pub, config=f"configs/{name}"), setup))
+    for pub in MEASURED if measured else ():
+        cfg = load_config(str(root / pub.config), list(pub.overrides))
+        out.append((pub, setup_from_config(cfg, pub.gpus, name=Path(pub.config).stem)))
     return out
 
 
@@ -169,6 +195,8 @@ def estimate_in_unit(unit: str, tokens_per_s_per_gpu: float, tflops: float, mfu:
         return tflops
     if unit == "mfu":
         return mfu
+    if unit == "tokens_per_s_per_gpu":
+        return tokens_per_s_per_gpu
     return 1e12 / tokens_per_s_per_gpu / 3600  # GPU hours per trillion tokens
 
 

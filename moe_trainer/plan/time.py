@@ -7,14 +7,19 @@ The model, per optimizer step, on the busiest pipeline stage (the one with the m
   the forward's size each), the causal flash-attention core at its forward / backward efficiency,
   and the memory-bound glue (its bytes at the HBM rate); recomputation adds a forward (full) or the
   norms' and SwiGLU activations' forward glue (selective, parallel/recompute.py's). Routed experts'
-  GEMMs scale with the load imbalance (the busiest EP rank's share over the mean).
+  GEMMs scale with the load imbalance (the busiest EP rank's share over the mean). The fp32
+  gradient accumulation's traffic per micro-batch, unless fused into the weight-gradient GEMM.
 - communication per micro-batch: the planner's bytes (comm.py) over NCCL's achievable bus bandwidth:
   TP and CP rings inside a node at NVLink speed (across nodes: the network's), the expert
   all-to-all's NVLink and network parts at once (both scaled by the imbalance), pipeline sends over
   the network. Per step: the ZeRO-1 gradient reduction and parameter all-gather.
 - exposed: what the framework does not hide (`Mechanisms`): our trainer today overlaps none of it;
-  `--overlap` hides the all-to-all behind the other micro-batch's compute (min(compute, a2a)), as
-  DualPipe and Megatron's combined 1F1B do.
+  `--overlap` pairs a forward and a backward micro-batch, as DualPipe and Megatron's combined 1F1B
+  do: each of a MoE block's four transfers hides only behind the partner's compute phase beside it
+  (`_paired_a2a_exposed`), on the SMs communication leaves.
+- host: the kernels a block launches (the kernel proxy's counts) at the host's cost per launch
+  (eager, compiled, a fused framework, CUDA graphs), BF16_Optimizer's eager hooks; a micro-batch takes
+  the longer of device and host time, per MoE block when a tokens-per-expert read drains the queue.
 - schedule: m micro-batches of (compute + exposed) and the bubble (p-1)/v of them (1F1B, interleaved
   over v chunks: (p-1)/(v m + p-1) of the whole), or DualPipe's (p/2 - 1)(F&B + B - 3W).
 - optimizer: Adam over the rank's ZeRO-1 shard, memory-bound (fp32 grad, master, m, v).
@@ -27,11 +32,12 @@ from typing import Optional
 
 from .gpus import Efficiency, Gpu
 from .params import PlanError, is_moe_layer
-from .work import (Gemm, Setup, block_work, dp_strides, ep_remote_share, head_work, node_dedup_bytes, rank_bytes,
-                   spans_nodes,
-                   stage_blocks, uniform_imbalance)
+from .work import (PARAM_TENSORS_PER_BLOCK, Gemm, Setup, block_kernels, block_work, dp_strides, ep_remote_share,
+                   head_work, node_dedup_bytes, rank_bytes, rank_params, spans_nodes, stage_blocks,
+                   uniform_imbalance)
 
 SCHEDULES = ("1f1b", "dualpipe")
+HOSTS = ("eager", "compiled", "fused", "graphs")
 
 
 @dataclass(frozen=True)
@@ -52,15 +58,30 @@ class Mechanisms:
     gemm_dtype: str = "bf16"  # bf16 | fp8 (attention stays bf16)
     node_dedup: bool = False  # a token crosses to each other node once, then NVLink (DeepSeek's dispatch)
     fp8_dispatch: bool = False  # the dispatch carries FP8 activations (1 byte), the combine BF16
+    # how the host launches a block's kernels: eager (this trainer's eager path, the kernel proxy's eager
+    # count at Efficiency.host_eager_us each), compiled (train.compile: inductor's kernels at launch_us),
+    # fused (another framework's fused kernels, inductor's count at launch_us), graphs (CUDA graphs)
+    host: str = "eager"
+    a2a_sync: bool = True  # at ep > 1 the host reads the tokens-per-expert counts once per MoE block
+    grad_accum_fusion: bool = False  # fp32 gradients accumulated inside the weight-gradient GEMM (Megatron)
 
     def describe(self) -> str:
         on = [n for n in ("a2a_overlap", "tp_overlap", "dp_overlap", "p2p_overlap", "dp_reduce_scatter",
-                          "fused_glue", "node_dedup", "fp8_dispatch") if getattr(self, n)]
+                          "fused_glue", "node_dedup", "fp8_dispatch", "grad_accum_fusion") if getattr(self, n)]
         extra = f", {self.comm_sm_share:.0%} of SMs to communication" if self.comm_sm_share else ""
-        return f"schedule {self.schedule}, GEMMs {self.gemm_dtype}, {', '.join(on) or 'nothing overlapped'}{extra}"
+        return (f"schedule {self.schedule}, GEMMs {self.gemm_dtype}, host {self.host}, "
+                f"{', '.join(on) or 'nothing overlapped'}{extra}")
 
 
 TRAINER_TODAY = Mechanisms()
+
+
+def trainer_mechanisms(compile_setting, a2a_overlap: bool = False, gemm_dtype: str = "bf16") -> Mechanisms:
+    """This trainer's mechanisms for a config: train.compile true or auto (on CUDA: on) compiles each
+    decoder layer, head and loss (inductor's kernels and glue bytes), false runs them eager."""
+    compiled = compile_setting is True or compile_setting == "auto"
+    return Mechanisms(a2a_overlap=a2a_overlap, gemm_dtype=gemm_dtype, host="compiled" if compiled else "eager",
+                      fused_glue=compiled)
 
 # whether this trainer overlaps each communication today (the report's column)
 TRAINER_OVERLAPS = {
@@ -90,6 +111,7 @@ class StepTime:
     totals: dict  # per kind: seconds per step, before overlap
     flops_per_token: float  # model FLOPs (forward + backward, no recomputation, causal attention)
     micro_batch_compute: float
+    host_wait: float = 0.0  # the device idle while the host launches (m x per micro-batch)
 
 
 def _gemm_seconds(g: Gemm, gpu: Gpu, eff: Efficiency, mech: Mechanisms, act_bytes: int = 2) -> float:
@@ -106,38 +128,89 @@ def _passes(recompute: str) -> float:
     return 2.0 if recompute == "full" else 1.0
 
 
-def stage_compute(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms,
-                  imbalance: float) -> dict[str, float]:
-    """Seconds of one micro-batch's forward + backward (+ recompute) on one rank of `stage`, by kind."""
-    out = {"gemm": 0.0, "expert_gemm": 0.0, "attention": 0.0, "glue": 0.0}
+def _block_seconds(s: Setup, layer: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms,
+                   imbalance: float) -> tuple[dict[str, float], float]:
+    """One block, one micro-batch, forward + backward (+ recompute): seconds by kind, and the share of
+    them on the attention side (its GEMMs, core and half the glue; the rest is the FFN side)."""
     glue = eff.glue_passes * (eff.fused_glue if mech.fused_glue else 1.0)
     hbm = gpu.hbm_tbs * 1e12 * eff.memory
     attn_peak = gpu.bf16_tflops * 1e12
     fwd_passes = _passes(s.recompute)
-    kinds: dict = {}  # blocks of one kind (dense / MoE / MTP) cost the same: count each kind once
+    out = {"gemm": 0.0, "expert_gemm": 0.0, "attention": 0.0, "glue": 0.0}
+    w = block_work(s, layer, imbalance)
+    attn_side = 0.0
+    n_attn = len(_attention_weight_names(s, layer))  # block_work lists the attention's GEMMs first
+    for i, g in enumerate(w.gemms):
+        t = (fwd_passes + 2) * _gemm_seconds(g, gpu, eff, mech, s.act_bytes)
+        out["expert_gemm" if g.grouped else "gemm"] += t
+        attn_side += t if i < n_attn else 0.0
+    attn_fwd = w.attn_flops / (attn_peak * eff.attn_fwd)
+    extra = attn_fwd if s.recompute == "full" else 0.0
+    out["attention"] = attn_fwd + extra + w.attn_bwd_flops / (attn_peak * eff.attn_bwd)
+    # the glue's measured ratio covers forward + backward: a third of it is the forward's; selective
+    # recomputation re-runs the norms' and SwiGLU activations' forward
+    again = w.selective_bytes / 3 if s.recompute == "selective" else 0.0
+    out["glue"] = glue / hbm * (w.glue_bytes * (1 + (fwd_passes - 1) / 3) + again)
+    attn_side += out["attention"] + out["glue"] / 2
+    return out, attn_side / sum(out.values())
+
+
+def _attention_weight_names(s: Setup, layer: int) -> list[str]:
+    from .params import layer_shapes
+    return [n for n, sh in layer_shapes(s.attn, layer).items() if n.startswith("self_attn.") and len(sh) == 2]
+
+
+def _stage_kinds(s: Setup, stage: int) -> dict:
+    """(MoE, MTP) -> (a layer of that kind, how many) on `stage`: blocks of one kind cost the same."""
+    kinds: dict = {}
     for layer in stage_blocks(s, stage):
         key = (is_moe_layer(s.ffn, layer), layer >= s.ffn.num_hidden_layers)
         kinds[key] = (kinds.get(key, (layer, 0))[0], kinds.get(key, (layer, 0))[1] + 1)
-    for layer, n in kinds.values():
-        w = block_work(s, layer, imbalance)
-        for g in w.gemms:
-            out["expert_gemm" if g.grouped else "gemm"] += n * (fwd_passes + 2) * _gemm_seconds(g, gpu, eff, mech,
-                                                                                           s.act_bytes)
-        attn_fwd = w.attn_flops / (attn_peak * eff.attn_fwd)
-        extra = attn_fwd if s.recompute == "full" else 0.0
-        out["attention"] += n * (attn_fwd + extra + w.attn_bwd_flops / (attn_peak * eff.attn_bwd))
-        # the glue's measured ratio covers forward + backward: a third of it is the forward's; selective
-        # recomputation re-runs the norms' and SwiGLU activations' forward
-        again = w.selective_bytes / 3 if s.recompute == "selective" else 0.0
-        out["glue"] += n * glue / hbm * (w.glue_bytes * (1 + (fwd_passes - 1) / 3) + again)
+    return kinds
+
+
+def stage_compute(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms,
+                  imbalance: float) -> dict[str, float]:
+    """Seconds of one micro-batch's forward + backward (+ recompute) on one rank of `stage`, by kind."""
+    out = {"gemm": 0.0, "expert_gemm": 0.0, "attention": 0.0, "glue": 0.0, "grad_accum": 0.0}
+    glue = eff.glue_passes * (eff.fused_glue if mech.fused_glue else 1.0)
+    hbm = gpu.hbm_tbs * 1e12 * eff.memory
+    for layer, n in _stage_kinds(s, stage).values():
+        for k, v in _block_seconds(s, layer, gpu, eff, mech, imbalance)[0].items():
+            out[k] += n * v
     if stage == s.pp - 1:  # the output heads stay in BF16 under FP8 GEMMs (DeepSeek-V3 report, 3.3.1)
         gemms, head_glue = head_work(s)
         head_mech = dataclasses.replace(mech, gemm_dtype="bf16")
         out["gemm"] += sum(3 * _gemm_seconds(g, gpu, eff, head_mech, s.act_bytes) for g in gemms)
         out["glue"] += glue * head_glue / hbm
+    if _hook_accumulation(s, mech):
+        # each micro-batch's gradients added into the fp32 accumulation by BF16_Optimizer's hook per
+        # parameter: `hp.add_(lp.grad.to(fp32))`, a cast (read bf16, write fp32) and an add (read both fp32,
+        # write one); a fused framework accumulates inside the weight-gradient GEMM
+        out["grad_accum"] = sum(rank_params(s, stage)) * (s.param_bytes + 4 * s.grad_bytes) / hbm
     if mech.a2a_overlap and mech.comm_sm_share:
         out = {k: v / (1 - mech.comm_sm_share) for k, v in out.items()}
     return out
+
+
+def _hook_accumulation(s: Setup, mech: Mechanisms) -> bool:
+    return not mech.grad_accum_fusion and s.grad_bytes > s.param_bytes
+
+
+def host_seconds(s: Setup, stage: int, eff: Efficiency, mech: Mechanisms) -> dict:
+    """The host's time to launch one micro-batch of `stage`: per block kind (MoE or not) the seconds of
+    one block, and the device-to-host reads (one per MoE block and forward pass at ep > 1: the
+    tokens-per-expert counts the all-to-all's split sizes and the grouped GEMM need on the host)."""
+    per = {"eager": eff.host_eager_us, "compiled": eff.launch_us, "fused": eff.launch_us,
+           "graphs": 0.0}[mech.host] * 1e-6
+    # BF16_Optimizer's accumulation hooks run eager whatever the layers do: two kernels per parameter
+    hooks = 2 * PARAM_TENSORS_PER_BLOCK * eff.host_eager_us * 1e-6 if _hook_accumulation(s, mech) else 0.0
+    graphs = 2 * eff.graph_us * 1e-6 if mech.host == "compiled" else 0.0
+    blocks = {key: (n, block_kernels(s, layer, mech.host != "eager") * per + hooks + graphs)
+              for key, (layer, n) in _stage_kinds(s, stage).items()}
+    moe = sum(n for (is_moe, _), (n, _t) in blocks.items() if is_moe)
+    syncs = moe * _passes(s.recompute) if s.ep > 1 and mech.a2a_sync and mech.host != "graphs" else 0.0
+    return {"blocks": blocks, "syncs": syncs * eff.sync_us * 1e-6, "drains": syncs > 0}
 
 
 def _ring_seconds(nbytes: float, group: int, stride: int, node: int, gpu: Gpu, eff: Efficiency) -> float:
@@ -196,16 +269,58 @@ def model_flops_per_token(s: Setup) -> float:
     return 3 * total / one.tokens
 
 
-def _per_micro_batch(kinds: dict, comm: dict, mech: Mechanisms) -> tuple[float, float, dict]:
-    """(seconds per micro-batch, compute, exposed communication by kind) of one stage."""
+def _paired_a2a_exposed(a2a: float, dev: float, attn_share: float, mech: Mechanisms) -> float:
+    """The all-to-all one MoE block leaves exposed when a forward and a backward micro-batch run paired
+    (DualPipe, Megatron's combined 1F1B): each of its four transfers hides only behind the one compute
+    phase of the other micro-batch that runs beside it, in the order the dependencies allow:
+    (forward attention | backward combine), (backward MLP | forward dispatch), (forward MLP | backward
+    dispatch), (backward attention | forward combine); the forward is a third of a phase's compute."""
+    d = 0.5 if mech.fp8_dispatch else 1.0  # the forward dispatch's bytes against a BF16 transfer's
+    unit = a2a / (3 + d)
+    attn, mlp = dev * attn_share, dev * (1 - attn_share)
+    slots = ((unit, attn / 3), (d * unit, 2 * mlp / 3), (unit, mlp / 3), (unit, 2 * attn / 3))
+    return sum(max(0.0, comm - comp) for comm, comp in slots)
+
+
+def _per_micro_batch(kinds: dict, comm: dict, mech: Mechanisms, host: dict,
+                     moe_block: tuple) -> tuple[float, float, dict, float]:
+    """(seconds per micro-batch, compute, exposed communication by kind, host wait) of one stage.
+    `moe_block`: (MoE blocks, device seconds of one, its attention side's share)."""
     c = sum(kinds.values())
+    n_moe, dev_moe, attn_share = moe_block
+    a2a = comm["all_to_all"]
+    if mech.a2a_overlap and n_moe:
+        a2a = n_moe * _paired_a2a_exposed(a2a / n_moe, dev_moe, attn_share, mech)
     exposed = {
         "tensor": max(0.0, comm["tensor"] - kinds["gemm"]) if mech.tp_overlap else comm["tensor"],
         "context": max(0.0, comm["context"] - kinds["attention"]) if mech.tp_overlap else comm["context"],
-        "all_to_all": max(0.0, comm["all_to_all"] - c) if mech.a2a_overlap else comm["all_to_all"],
+        "all_to_all": a2a,
         "pipeline": 0.0 if mech.p2p_overlap else comm["pipeline"],
     }
-    return c + sum(exposed.values()), c, exposed
+    device = c + sum(exposed.values())
+    launch = sum(n * t for n, t in host["blocks"].values())
+    if host["drains"]:
+        # the read drains the stream: the host cannot run ahead past a MoE block, so each one takes the
+        # longer of its device time (compute and exposed all-to-all) and its launches; the rest of the
+        # stage (dense blocks, head) overlaps as a whole
+        moe_launch = sum(n * t for (is_moe, _), (n, t) in host["blocks"].items() if is_moe) / max(1, n_moe)
+        moe_dev = dev_moe + a2a / max(1, n_moe)
+        rest_dev, rest_launch = device - n_moe * moe_dev, launch - n_moe * moe_launch
+        busy = n_moe * max(moe_dev, moe_launch) + max(rest_dev, rest_launch) + host["syncs"]
+    else:
+        busy = max(device, launch)
+    return busy, c, exposed, busy - device
+
+
+def _moe_block(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms, imbalance: float) -> tuple:
+    """(MoE blocks on `stage`, device seconds of one decoder MoE block, its attention side's share)."""
+    kinds = _stage_kinds(s, stage)
+    moe = [(layer, n) for (is_moe, mtp), (layer, n) in kinds.items() if is_moe and not mtp]
+    if not moe:
+        return 0, 0.0, 0.5
+    secs, share = _block_seconds(s, moe[0][0], gpu, eff, mech, imbalance)
+    slow = 1 - mech.comm_sm_share if mech.a2a_overlap else 1.0
+    return sum(n for (is_moe, _), (_, n) in kinds.items() if is_moe), sum(secs.values()) / slow, share
 
 
 def step_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms = TRAINER_TODAY,
@@ -214,17 +329,19 @@ def step_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms = TRAINER_TO
     routing's statistical maximum, `uniform_imbalance`)."""
     if mech.schedule not in SCHEDULES:
         raise PlanError(f"schedule must be one of {', '.join(SCHEDULES)}, got {mech.schedule!r}.")
+    if mech.host not in HOSTS:
+        raise PlanError(f"host must be one of {', '.join(HOSTS)}, got {mech.host!r}.")
     if mech.gemm_dtype == "fp8" and not gpu.fp8_tflops:
         raise PlanError(f"--gemm-dtype fp8 needs FP8 tensor cores; the {gpu.name} has none.")
     f = uniform_imbalance(s) if imbalance is None else imbalance
     if f < 1:
         raise PlanError(f"the load imbalance (busiest EP rank over the mean) must be at least 1, got {f:g}.")
-    per_stage = [(stage_compute(s, st, gpu, eff, mech, f),
-                  comm_seconds(s, st, gpu, eff, f, mech)) for st in range(s.pp)]
+    per_stage = [(stage_compute(s, st, gpu, eff, mech, f), comm_seconds(s, st, gpu, eff, f, mech),
+                  mech, host_seconds(s, st, eff, mech), _moe_block(s, st, gpu, eff, mech, f)) for st in range(s.pp)]
     # the pipeline runs at its slowest stage's pace: compute plus what it cannot hide, per micro-batch
-    stage = max(range(s.pp), key=lambda st: _per_micro_batch(*per_stage[st], mech)[0])
-    kinds, comm = per_stage[stage]
-    per_mb, c, exposed = _per_micro_batch(kinds, comm, mech)
+    stage = max(range(s.pp), key=lambda st: _per_micro_batch(*per_stage[st])[0])
+    kinds, comm = per_stage[stage][:2]
+    per_mb, c, exposed, host_wait = _per_micro_batch(*per_stage[stage])
     m, p, v = s.micro_batches, s.pp, s.virtual_stages
     if mech.schedule == "dualpipe":
         fwd = c / 3
@@ -245,7 +362,7 @@ def step_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms = TRAINER_TO
     return StepTime(compute=m * c, exposed_comm=sum(split.values()), bubble=bubble, optimizer=optimizer,
                     step=total, tokens_per_s_per_gpu=tokens / total, model_tflops_per_gpu=tflops,
                     mfu=tflops / gpu.bf16_tflops, imbalance=f, stage=stage, split=split, totals=totals,
-                    flops_per_token=flops, micro_batch_compute=c)
+                    flops_per_token=flops, micro_batch_compute=c, host_wait=m * host_wait)
 
 
 def step_time_to_dict(r: StepTime) -> dict:

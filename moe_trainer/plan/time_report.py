@@ -59,6 +59,8 @@ def format_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms, balanced:
     rows += [_row(f"exposed {label}", key, balanced, natural) for key, label in _COMM_LABELS
              if balanced.totals[key] or (natural and natural.totals[key])]
     rows += [_row("pipeline bubble", "bubble", balanced, natural), _row("optimizer step", "optimizer", balanced, natural)]
+    if balanced.host_wait or (natural and natural.host_wait):
+        rows.append(_row("device waiting for the host's launches", "host_wait", balanced, natural))
 
     def rates(r: StepTime) -> list[str]:
         return [f"{r.step:.3f} s", f"{r.tokens_per_s_per_gpu:,.0f}", f"{r.model_tflops_per_gpu:.1f}", f"{r.mfu:.1%}"]
@@ -97,13 +99,13 @@ def time_to_dict(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms, balanced
 def format_calibration(rows: list[tuple[Published, StepTime]]) -> str:
     """Published figure, estimate and ratio for each run."""
     unit = {"tflops_per_gpu": "TFLOP/s per GPU", "mfu": "MFU", "gpu_hours_per_trillion_tokens":
-            "GPU hours per trillion tokens"}
+            "GPU hours per trillion tokens", "tokens_per_s_per_gpu": "tokens/s per GPU"}
     body = []
     for pub, r in rows:
         est = estimate_in_unit(pub.unit, r.tokens_per_s_per_gpu, r.model_tflops_per_gpu, r.mfu)
         fmt = (lambda x: f"{x:.1%}") if pub.unit == "mfu" else (lambda x: f"{x:,.1f}")
         body.append([pub.name, f"{fmt(pub.figure)} {unit[pub.unit]}", fmt(est), f"{ratio(pub.unit, est, pub.figure):.2f}",
                      f"{r.step:.2f} s: compute {r.compute:.2f}, exposed comm {r.exposed_comm:.2f}, bubble "
-                     f"{r.bubble:.2f}, optimizer {r.optimizer:.3f}"])
-    return "\n".join(_table(["run", "published", "estimate", "estimate / published speed", "estimated step"],
+                     f"{r.bubble:.2f}, optimizer {r.optimizer:.3f}, waiting for the host {r.host_wait:.2f}"])
+    return "\n".join(_table(["run", "published (or measured)", "estimate", "estimate / published speed", "estimated step"],
                             body)) + "\n"

@@ -180,6 +180,26 @@ def head_work(s: Setup) -> tuple[list[Gemm], float]:
     return [gemm], acts.per_rank(s.tp, s.sequence_parallel) * s.tokens * heads
 
 
+# Kernels one decoder block launches per micro-batch, forward + backward, as bench.kernel_proxy counts
+# them (docs/bench/kernel_proxy_compiled.json, kernel_proxy_after.json): a MoE block of moe_1b_gpu
+# eager 131 ops outside the GEMMs + 33 GEMMs + 2 attention calls; compiled 94 generated kernels + 10
+# aten fallbacks + 35 extern calls. The rest of the `model` case (563 kernels: 1 dense block, 3 MoE
+# blocks of 158, embedding, head and loss) is 89: counted for each dense block, compiled at the MoE
+# block's ratio. A fused framework (Megatron-TE, DeepSeek's kernels) launches about what inductor does.
+# Parameter tensors per block as the trainer holds them (experts stacked): configs/moe_1b_gpu.yaml has
+# 240 over 16 blocks (embedding, head and final norm included), configs/moe_bench.yaml 60 over 4.
+PARAM_TENSORS_PER_BLOCK = 15
+KERNELS = {("moe", "eager"): 166, ("moe", "compiled"): 139, ("dense", "eager"): 89, ("dense", "compiled"): 75}
+
+
+def block_kernels(s: Setup, layer: int, compiled: bool) -> float:
+    """Kernels block `layer` launches per micro-batch, forward + backward (+ a forward's third again
+    under full recomputation)."""
+    kind = "moe" if is_moe_layer(s.ffn, layer) else "dense"
+    extra = 1 / 3 if s.recompute == "full" else 0.0
+    return KERNELS[(kind, "compiled" if compiled else "eager")] * (1 + extra)
+
+
 def stage_blocks(s: Setup, stage: int) -> list[int]:
     return _stage_blocks(s.ffn, list(s.partition), stage)
 
@@ -314,5 +334,5 @@ def with_layout(s: Setup, **changes) -> Setup:
 
 __all__ = ["Setup", "setup_from_config", "Gemm", "BlockWork", "block_work", "head_work", "stage_blocks",
            "attention_core_flops", "rank_params", "rank_bytes", "RankBytes", "ep_remote_share", "spans_nodes",
-           "node_dedup_bytes",
+           "node_dedup_bytes", "KERNELS", "PARAM_TENSORS_PER_BLOCK", "block_kernels",
            "dp_strides", "uniform_imbalance", "with_layout", "FP32", "TokenActs"]
