@@ -130,10 +130,10 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, shapes=ROOFL
         a = torch.randn(m, k, device=device).to(dtype)
         b = torch.randn(k, n, device=device).to(dtype)
         out = torch.empty(m, n, device=device, dtype=dtype)
-        gemms = [lambda: torch.matmul(a, b, out=out)]
+        gemms = [lambda a=a, b=b, out=out: torch.matmul(a, b, out=out)]
         if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.onednn_linear_enabled():
             w = b.t().contiguous()  # (n, k), as a Linear's weight
-            gemms.append(lambda: cpu_kernels.onednn_linear(a, w))
+            gemms.append(lambda a=a, w=w: cpu_kernels.onednn_linear(a, w))
         budget = seconds / (len(shapes) * len(gemms) * trials)
         for gemm in gemms:
             gemm()

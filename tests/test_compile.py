@@ -75,7 +75,7 @@ def test_short_training_compiled_by_region_equals_eager():
             assert sorted(names) == ["layers.0", "layers.1", "lm_head", "loss_fn", "mtp.0.block", "norm"]
         opt = torch.optim.SGD(model.parameters(), lr=0.2)
         losses[mode] = []
-        for step in range(3):
+        for _ in range(3):
             loss = model(ids[:, :-1], ids[:, 1:]).loss
             loss.backward()
             opt.step()

@@ -40,7 +40,7 @@ def expected(tok_file, files: dict[str, list[str]], val_fraction: float) -> dict
     t = Tokenizer.from_file(str(tok_file))
     eos = t.token_to_id("<|endoftext|>")
     out = {"train": [], "val": []}
-    for name, docs in files.items():
+    for docs in files.values():
         for text in docs:
             split = "val" if prep.text_in_val(text, val_fraction) else "train"
             out[split] += t.encode(text, add_special_tokens=False).ids + [eos]

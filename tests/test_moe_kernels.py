@@ -36,7 +36,8 @@ def _expert_inputs(dtype, counts=(3, 0, 4, 2, 1, 0), d=4, hid=3, seed=0):
 def test_grouped_swiglu_experts_gradcheck(with_gate, small_blocks):
     x, w1, w2, gate, counts = _expert_inputs(torch.float64)
     gate = gate if with_gate else None
-    fn = lambda x, w1, w2, *g: ex.GroupedSwiGLUExperts.apply(x, w1, w2, g[0] if g else None, counts, False)
+    def fn(x, w1, w2, *g):
+        return ex.GroupedSwiGLUExperts.apply(x, w1, w2, g[0] if g else None, counts, False)
     assert gradcheck(fn, (x, w1, w2) + ((gate,) if with_gate else ()), eps=1e-6, atol=1e-5)
 
 
@@ -180,7 +181,8 @@ def test_padded_experts_equal_grouped(q, block, with_gate, monkeypatch):
 
 def test_padded_experts_gradcheck(small_blocks):
     x, w1, w2, gate, counts = _expert_inputs(torch.float64)
-    fn = lambda x, w1, w2, g: ex.PaddedSwiGLUExperts.apply(x, w1, w2, g, counts, 4)
+    def fn(x, w1, w2, g):
+        return ex.PaddedSwiGLUExperts.apply(x, w1, w2, g, counts, 4)
     assert gradcheck(fn, (x, w1, w2, gate), eps=1e-6, atol=1e-5)
 
 

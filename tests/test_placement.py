@@ -153,7 +153,7 @@ def check_invariants(phy2log: torch.Tensor, w: torch.Tensor, E: int, R: int, G: 
 
 
 def test_invariants(solved):
-    for (E, R, G, N, P), kind, w, (phy2log, log2phy, logcnt), eplb_phy2log, _ in solved:
+    for (E, R, G, N, P), _kind, w, (phy2log, log2phy, logcnt), eplb_phy2log, _ in solved:
         check_invariants(phy2log, w, E, R, G, N, P)
         check_invariants(eplb_phy2log, w, E, R, G, N, P)
         assert (logcnt.sum(-1) == R).all()
@@ -164,7 +164,7 @@ def test_invariants(solved):
 
 
 def test_lower_bound_contains_the_required_terms(solved):
-    for (E, R, G, N, P), kind, w, _, _, bound in solved:
+    for (E, R, G, N, P), _kind, w, _, _, bound in solved:
         mean = w.sum(-1) / P
         assert (bound >= 1).all()
         assert (bound >= w.max(-1).values / (R - E + 1) / mean - 1e-12).all()

@@ -30,7 +30,7 @@ def _ring_worker(rank, world, port, ring_bytes, strict, results):
     nxt, prv = (rank + 1) % world, (rank - 1) % world
     ok = True
     for call in range(2):
-        def payload(src, dst, k):
+        def payload(src, dst, k, call=call):
             g = torch.Generator().manual_seed(1000 * call + 100 * src + 10 * dst + k)
             return torch.randn(300 + 7 * k, 5, generator=g)  # sizes differ per message
         sends = [(peer, payload(rank, peer, k)) for k in range(3) for peer in (nxt, prv)]

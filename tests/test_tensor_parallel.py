@@ -98,11 +98,12 @@ def _tp_worker(rank, world, port, kv_heads, sequence_parallel):
 
     # one SGD step on both, then the forward still agrees
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             p -= 0.1 * p.grad
         for p in ref.parameters():
             p -= 0.1 * p.grad
-        diff = (gather_logits(model(ids).logits, mesh) - ref(ids).logits).abs().max(); assert diff < 1e-5, diff
+        diff = (gather_logits(model(ids).logits, mesh) - ref(ids).logits).abs().max()
+        assert diff < 1e-5, diff
     dist.destroy_process_group()
 
 

@@ -240,8 +240,9 @@ def run_in_turns(dt: str, runs: list[str], args, tmp: Path) -> dict:
             else:
                 referee.start(run, hf_cmd(run, dt, args, referee.address(run)), worker_env(args.threads, ROOT), cwd=ROOT)
         referee.wait_ready()
-        roof = lambda: measure_matmul_tflops(torch.bfloat16 if dt == "bf16" else torch.float32,
-                                             torch.device("cpu"), seconds=2.0)
+        def roof():
+            return measure_matmul_tflops(torch.bfloat16 if dt == "bf16" else torch.float32, torch.device("cpu"),
+                                         seconds=2.0)
         best = roof()  # every job asleep
 
         def show(i: int, steps: dict) -> None:

@@ -20,8 +20,9 @@ def keep_freed_memory() -> bool:
     import ctypes.util
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.gnu_get_libc_version  # glibc only
-    except (OSError, AttributeError):
+    except OSError:
+        return False
+    if not hasattr(libc, "gnu_get_libc_version"):  # glibc only
         return False
     m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))

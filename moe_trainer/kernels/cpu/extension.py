@@ -37,7 +37,7 @@ def _cpu_signature() -> str:
     """What -march=native compiles for: the CPU's model and feature flags."""
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [l for l in f if l.startswith(("model name", "flags"))][:2]
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
     except OSError:
         lines = []
     return platform.machine() + "".join(lines)
@@ -68,7 +68,7 @@ def kernels() -> Optional[Any]:
             ops = _load_serialised(build_dir())
         except Exception as e:  # no compiler, no ninja, an unknown -march: the torch-op path still works
             warnings.warn(f"the fused CPU kernels could not be built ({type(e).__name__}: "
-                          f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); using torch ops.")
+                          f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); using torch ops.", stacklevel=2)
             ops = None
     _CACHE["ops"] = ops
     return ops

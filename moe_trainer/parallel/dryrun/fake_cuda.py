@@ -410,7 +410,7 @@ def materialize_without_init(device: torch.device, dtype: torch.dtype | None):
     no-op), every meta buffer zeros there; host buffers (rotary tables) move there."""
     @torch.no_grad()
     def materialize(root: nn.Module, seed: int, std: float) -> nn.Module:
-        for name, p in list(root.named_parameters()):
+        for p in list(root.parameters()):
             if p.device.type == "meta":
                 kind = dtype if (dtype is not None and p.dtype.is_floating_point) else p.dtype
                 replace_param(root, p, torch.empty(p.shape, dtype=kind, device=device))
