@@ -92,8 +92,9 @@ def main(argv=None) -> int:
     info_log = before = None
     if trainer_args(cmd) is not None:
         from . import run_dir
-        from .train import keep_build_cache_per_environment, plan_command
+        from .train import keep_build_cache_per_environment, plan_command, use_this_environments_ninja
         keep_build_cache_per_environment()  # the launcher's ranks inherit it
+        use_this_environments_ninja()
         start = plan_command(trainer_args(cmd))
         if start is not None:
             done = run_dir.nothing_left(start)

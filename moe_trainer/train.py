@@ -58,6 +58,21 @@ def keep_build_cache_per_environment(environ=os.environ) -> None:
         environ["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")
 
 
+def use_this_environments_ninja(environ=os.environ, executable: str = sys.executable) -> None:
+    """torch JIT-builds C++ ops with the first `ninja` on PATH, and ninja's log keeps each command's
+    hash: ninja 1.11 (a system's) and 1.13 (the pip `ninja` DeepSpeed installs into the environment)
+    hash alike commands differently, so processes that find different ninjas rebuild the same op
+    in turn (seen here: DeepSpeed's shared-memory op rebuilt 30 times in an hour of tests, and a
+    rank killed mid-build left a lock every later rank waited on). The environment's own ninja,
+    beside its python, goes first on PATH, for this process and the ones it starts."""
+    bin_dir = os.path.dirname(executable)
+    if not os.path.exists(os.path.join(bin_dir, "ninja")):
+        return
+    path = environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != bin_dir:
+        environ["PATH"] = bin_dir + (os.pathsep + path if path else "")
+
+
 def extension_dir(name: str) -> Path:
     """Where torch.utils.cpp_extension JIT-builds extension `name` (as its _get_build_directory
     decides, without making it): TORCH_EXTENSIONS_DIR/name, else the per-user cache's
@@ -95,6 +110,7 @@ def announce_deepspeed_op(say) -> None:
 def build_ops(say=lambda line: print(line, flush=True)) -> None:
     """Before a job (scripts/_env.sh): our CPU kernels and DeepSpeed's shared-memory op, each
     announced only when it is not built yet, so a job's ranks never race to build them."""
+    use_this_environments_ninja()
     build_cpu_kernels(say)
     announce_deepspeed_op(say)
     from deepspeed.accelerator import get_accelerator
@@ -398,6 +414,7 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     keep_build_cache_per_environment()
+    use_this_environments_ninja()
     try:
         start = plan_run(args, rank)
         _single_process_env()

@@ -25,6 +25,9 @@ install_project() {  # $1: extras spec, e.g. "[test]" or ""
   # DeepSpeed's JIT-built ops live in this environment, not in the one per-user cache that every
   # environment on the machine would rebuild in turn (moe_trainer.train sets the same default)
   export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.venv/torch_extensions}"
+  # the environment's ninja (DeepSpeed's dependency) before a system one: two ninja versions hash a
+  # build's commands differently and rebuild each other's ops (train.use_this_environments_ninja)
+  export PATH="$ROOT/.venv/bin:$PATH"
   # our fused CPU kernels (~20 s) and DeepSpeed's shared-memory op (~40 s, JIT-built by its first
   # init_distributed) are built here once, so the ranks of a job never race to build them; each is
   # announced only when it is not built yet (a failed build: the trainer warns and runs without it)

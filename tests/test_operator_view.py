@@ -6,7 +6,7 @@ import re
 import sys
 
 from moe_trainer.metrics import Interval
-from moe_trainer.train import keep_build_cache_per_environment
+from moe_trainer.train import keep_build_cache_per_environment, use_this_environments_ninja
 
 from conftest import TINY, check, launch, read_metrics
 
@@ -35,6 +35,19 @@ def test_the_op_build_cache_is_kept_per_environment(monkeypatch):
     none = {}
     keep_build_cache_per_environment(none)
     assert none == {}
+
+
+def test_the_environments_own_ninja_goes_first_on_path(tmp_path):
+    (tmp_path / "bin").mkdir()
+    python = str(tmp_path / "bin" / "python")
+    environ = {"PATH": "/usr/bin:/bin"}
+    use_this_environments_ninja(environ, python)
+    assert environ == {"PATH": "/usr/bin:/bin"}  # no ninja beside this python: PATH as it was
+    (tmp_path / "bin" / "ninja").touch()
+    use_this_environments_ninja(environ, python)
+    assert environ["PATH"] == f"{tmp_path / 'bin'}:/usr/bin:/bin"
+    use_this_environments_ninja(environ, python)
+    assert environ["PATH"] == f"{tmp_path / 'bin'}:/usr/bin:/bin"  # once, not again and again
 
 
 def test_a_finished_run_has_nothing_left_and_a_start_over_keeps_the_earlier_records(tmp_path):
