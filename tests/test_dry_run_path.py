@@ -119,21 +119,24 @@ atexit.register(lambda: print("LOOP " + " ".join(f"{k}={v}" for k, v in sorted(c
 """
 
 
+def broken_rule(args: list[str], *more, **kwargs) -> str:
+    """The dry run of `args` fails a rule (exit 1): its error line."""
+    proc = dry_run(args, *more, **kwargs)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    return error_line(proc)
+
+
 def test_roles_compare_the_sequences_of_roles_sharing_a_group():
     # world 4 at pp 2 (rank order tp-cp-dp-pp): the roles are stage 0 (rank 0) and stage 1 (rank 2), the
     # pipeline groups [0, 2] and [1, 3]
-    proc = dry_run(PP2 + ["--ranks", "roles"], EXTRA_ON_LAST_STAGE)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    line = error_line(proc)
+    line = broken_rule(PP2 + ["--ranks", "roles"], EXTRA_ON_LAST_STAGE)
     assert "the members of a group enter the same collectives in the same order" in line
     assert "on group pp [0, 2]" in line and "rank 2's is all_reduce (float32, 3 elements, sum)" in line
 
 
 def test_roles_stand_for_the_ranks_that_did_not_run():
     # ranks 0 and 3 run: rank 2 (stage 1) is read through rank 3, rank 1 (stage 0) through rank 0
-    proc = dry_run(PP2 + ["--ranks", "0,3"], EXTRA_ON_LAST_STAGE)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    line = error_line(proc)
+    line = broken_rule(PP2 + ["--ranks", "0,3"], EXTRA_ON_LAST_STAGE)
     assert "the same collectives in the same order" in line and "on group pp [0, 2]" in line
     assert "rank 2 (as rank 3 of its role ran)" in line
 
@@ -164,9 +167,7 @@ def test_device_bound_and_groups_split(ep2_run):
 
 
 def test_split_of_other_groups_on_one_rank_fails():
-    proc = dry_run(EP2 + ["--ranks", "all"], OTHER_SPLIT_ON_RANK_1)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    line = error_line(proc)
+    line = broken_rule(EP2 + ["--ranks", "all"], OTHER_SPLIT_ON_RANK_1)
     assert "every rank enters every group creation in the same order" in line
     assert "rank 1 creates a split of group [0, 1] into [[0, 1]]" in line and "moe_trainer/parallel/mesh.py" in line
 
@@ -185,24 +186,18 @@ def test_functional_collectives_are_checked_and_counted_as_eager(ep2_run, tmp_pa
 
 
 def test_extra_functional_collective_fails():
-    proc = dry_run(EP2 + ["--ranks", "all"], EXTRA_FUNCTIONAL)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    line = error_line(proc)
+    line = broken_rule(EP2 + ["--ranks", "all"], EXTRA_FUNCTIONAL)
     assert "the same collectives in the same order" in line and "all_reduce (float32, 5 elements, sum)" in line
 
 
 def test_extra_coalesced_collective_fails():
-    proc = dry_run(EP2 + ["--ranks", "all"], EXTRA_COALESCED)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    line = error_line(proc)
+    line = broken_rule(EP2 + ["--ranks", "all"], EXTRA_COALESCED)
     assert "the same collectives in the same order" in line and "all_reduce_coalesced (float32, 5 elements" in line
 
 
 def test_batched_transfers_need_the_rank_device_current():
-    proc = dry_run(["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "2", "--set",
-                    "parallel.pp=2", "--ranks", "all", "--micro-batches", "all"], WRONG_CURRENT_DEVICE)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    line = error_line(proc)
+    line = broken_rule(["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "2", "--set",
+                        "parallel.pp=2", "--ranks", "all", "--micro-batches", "all"], WRONG_CURRENT_DEVICE)
     assert "batched point-to-point needs the rank's device set current" in line and "rank 1" in line
 
 
