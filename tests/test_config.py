@@ -138,15 +138,19 @@ def test_compile_auto_is_on_for_cuda_only_and_takes_no_other_word():
     import torch
 
     from moe_trainer.train import resolve_device_settings
-    for device, want in (("cpu", False), ("meta", False), ("cuda", True)):  # a torch.device needs no GPU
-        cfg = load_config(str(ROOT / "configs/moe_tiny.yaml"), [])
-        assert cfg.train.compile == "auto"
-        resolve_device_settings(cfg, torch.device(device))
-        assert cfg.train.compile is want
-    for given in (True, False):
-        cfg = load_config(str(ROOT / "configs/moe_tiny.yaml"), [f"train.compile={str(given).lower()}"])
-        resolve_device_settings(cfg, torch.device("cuda"))
-        assert cfg.train.compile is given
+    precision = torch.get_float32_matmul_precision()  # a "cuda" device sets TF32 for the process
+    try:
+        for device, want in (("cpu", False), ("meta", False), ("cuda", True)):  # a torch.device needs no GPU
+            cfg = load_config(str(ROOT / "configs/moe_tiny.yaml"), [])
+            assert cfg.train.compile == "auto"
+            resolve_device_settings(cfg, torch.device(device))
+            assert cfg.train.compile is want
+        for given in (True, False):
+            cfg = load_config(str(ROOT / "configs/moe_tiny.yaml"), [f"train.compile={str(given).lower()}"])
+            resolve_device_settings(cfg, torch.device("cuda"))
+            assert cfg.train.compile is given
+    finally:
+        torch.set_float32_matmul_precision(precision)
     with pytest.raises(ConfigError, match="train.compile must be one of auto, True, False, got 'sometimes'"):
         load_config(str(ROOT / "configs/moe_tiny.yaml"), ["train.compile=sometimes"])
 

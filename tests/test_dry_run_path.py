@@ -203,9 +203,11 @@ def test_batched_transfers_need_the_rank_device_current():
 
 def test_two_loop_steps_with_every_check(ep2_run):
     loop = [line for line in ep2_run[0].stderr.splitlines() if line.startswith("LOOP ")][-1]
-    # two ranks, two steps each: every step logged (expert metrics) and evaluated; the second step of each
-    # rank checked the replicas (due from step 1 on) and named stragglers (a first step pays one-time costs)
-    assert loop == "LOOP check_replicas=2 evaluate_sources=4 metrics=4 name_stragglers=2 train_step=4", loop
+    # two ranks, two steps each: every step logged (expert metrics) and evaluated; each rank checked the
+    # replicas before its second step's forward and again before the checkpoint at that step (the state the
+    # step's update made is checked before it is written: guards.before_checkpoint), and named
+    # stragglers at its second step (a first step pays one-time costs)
+    assert loop == "LOOP check_replicas=4 evaluate_sources=4 metrics=4 name_stragglers=2 train_step=4", loop
     # the report counts the set-up and one training step of the schedule's 4 micro-batches
     for rank in ep2_run[1].values():
         assert rank["micro_batches_run"] == [4]

@@ -191,8 +191,11 @@ def test_noise_scale_meter_measures_the_logged_steps_alone_and_nothing_when_off(
     import torch.distributed as dist
     from moe_trainer.noise_scale import NoiseScaleMeter
     from moe_trainer.parallel import comm
+    from deepspeed.utils import groups as ds_groups
     calls = []
     monkeypatch.setattr(comm, "all_reduce_small", lambda t, group=None, op="sum": calls.append(group) or t)
+    # DeepSpeed keeps its clone of the world group across process groups: an earlier test's, destroyed
+    monkeypatch.setattr(ds_groups, "_WORLD_GROUP", None)
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "train_batch_size": 8,
            "zero_optimization": {"stage": 1}, "gradient_clipping": 1e9, "steps_per_print": 1 << 30,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}

@@ -167,10 +167,12 @@ class AllToAllDispatcher:
         """The all-to-all split sizes on the host: THE host sync of an expert-parallel MoE layer,
         one device-to-host copy of every (ep,) count vector given, per micro-batch. Under
         torch.compile (capture_scalar_outputs) they are unbacked symbolic sizes, no graph break.
-        The copy is explicit: a compiled graph turns `.tolist()` into one item() per element, each
-        a blocking read of device memory (2 ep of them), where items of the host copy read host memory."""
+        Compiled, the copy is explicit: a graph turns `.tolist()` into one item() per element, each a
+        blocking read of device memory (2 ep of them), where items of the host copy read host memory."""
         ep = per_rank[0].numel()
-        flat = torch.cat(per_rank).cpu().tolist()  # host sync (the only one of the layer): one copy
+        counts = torch.cat(per_rank)
+        # host sync (the only one of the layer): one copy; eager's .tolist() of a device tensor is one
+        flat = (counts.cpu() if traced() else counts).tolist()
         if traced():
             for size in flat:
                 torch._check_is_size(size)

@@ -148,6 +148,36 @@ def write_sparse_safetensors(path, tensors, metadata=None) -> str:
 
 
 @contextlib.contextmanager
+def rank0_listing(sent: list, rank: int):
+    """checkpoint_pick sends rank 0's view of the checkpoints to the other ranks as its length, then
+    its bytes, and each receiving rank sizes its buffer by the length it got. Fake tensors carry no
+    values, so a simulated rank takes the k-th listing rank 0 sent (rank 0 runs first: choose_ranks)
+    and makes the same two broadcasts a GPU rank makes, of the same sizes."""
+    import torch.distributed as dist
+
+    from ... import checkpoint_pick
+    base, calls = checkpoint_pick._broadcast, [0]
+
+    def emulated(obj, r, device):
+        k, calls[0] = calls[0], calls[0] + 1
+        if r == 0:
+            del sent[k:]
+            sent.append(obj)
+            return base(obj, r, device)
+        obj = sent[k] if k < len(sent) else [True, []]
+        data = json.dumps(obj).encode()
+        dist.broadcast(torch.zeros(1, dtype=torch.int64, device=device), src=0)
+        dist.broadcast(torch.empty(len(data), dtype=torch.uint8, device=device), src=0)
+        return obj
+
+    checkpoint_pick._broadcast = emulated
+    try:
+        yield
+    finally:
+        checkpoint_pick._broadcast = base
+
+
+@contextlib.contextmanager
 def one_run_directory():
     """run_dir.check_shared (every rank sees the marker rank 0 leaves) is met by construction: the
     simulated ranks share this process's one directory, one after another, so rank 0's marker would
@@ -251,6 +281,7 @@ class Simulator:
         self.checkpoint_dir: Path | None = None
         self.bound: list = []  # the device each rank's process group was bound to
         self.splits: dict = {}  # rank -> {"splits": sizes drawn, "zero": of them zero}
+        self.listings: list = []  # the checkpoint listings rank 0 sent, in order (rank0_listing)
         self._prepare_process()
 
     def _prepare_process(self) -> None:
@@ -355,7 +386,7 @@ class Simulator:
         self.splits[rank] = {}
         try:
             mesh_module.build_mesh = build_mesh
-            with mode, fake_module_conversion(), fused_attention(), fused_rms_norm(), one_run_directory(), \
+            with mode, fake_module_conversion(), fused_attention(), fused_rms_norm(), one_run_directory(), rank0_listing(self.listings, rank), \
                     fake_backend(rank, self.world, device, self.bound), fake_checkpoint_bytes(self.written), \
                     routed_dispatch(cfg.model, self.routing, cfg.run.seed, self.splits[rank]):
                 trainer_module.materialize = materialize_without_init(
