@@ -20,33 +20,27 @@ from .memory import model_state_bytes, rank_params, stage_activation_bytes
 from .params import GB, precision_for
 from .pipeline import stage_partition
 from .time import Mechanisms, StepTime, step_time
-from .work import setup_from_config
+from .work import Setup, setup_from_config
 
 
 @dataclass(frozen=True)
 class Candidate:
-    tp: int
-    cp: int
-    pp: int
-    virtual_stages: int
-    ep: int
-    dp: int
-    micro_batch_size: int
-    recompute: str
+    setup: Setup  # the layout, as the step-time model read it
     peak_gb: float
     time: StepTime
     reason: str = ""
 
     def label(self) -> str:
-        v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return (f"tp {self.tp} cp {self.cp} pp {self.pp}{v} ep {self.ep} dp {self.dp} mbs {self.micro_batch_size} "
-                f"recompute {self.recompute}")
+        s = self.setup
+        v = f" v{s.virtual_stages}" if s.virtual_stages > 1 else ""
+        return f"tp {s.tp} cp {s.cp} pp {s.pp}{v} ep {s.ep} dp {s.dp} mbs {s.micro_batch_size} recompute {s.recompute}"
 
     def overrides(self) -> list[str]:
         """--set overrides that give this layout to the trainer, the dry run or the planner."""
-        return [f"parallel.tp={self.tp}", f"parallel.cp={self.cp}", f"parallel.pp={self.pp}",
-                f"parallel.virtual_stages={self.virtual_stages}", f"parallel.ep={self.ep}",
-                f"train.micro_batch_size={self.micro_batch_size}", f"parallel.recompute={self.recompute}",
+        s = self.setup
+        return [f"parallel.tp={s.tp}", f"parallel.cp={s.cp}", f"parallel.pp={s.pp}",
+                f"parallel.virtual_stages={s.virtual_stages}", f"parallel.ep={s.ep}",
+                f"train.micro_batch_size={s.micro_batch_size}", f"parallel.recompute={s.recompute}",
                 "parallel.micro_batches=0", "parallel.pp_partition=null"]
 
 
@@ -123,9 +117,7 @@ def search(cfg: Config, gpus: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms, 
             continue
         s = setup_from_config(c, gpus, gpus_per_node=node, partition=tuple(partitions[key]))
         r = step_time(s, gpu, eff, mech, imbalance)
-        p = c.parallel
-        found.append(Candidate(p.tp, p.cp, p.pp, p.virtual_stages, p.ep, s.dp, c.train.micro_batch_size, p.recompute,
-                               peak / GB, r))
+        found.append(Candidate(s, peak / GB, r))
     found.sort(key=lambda x: -x.time.tokens_per_s_per_gpu)
     best = found[:top]
     return [dataclasses.replace(x, reason=_reason(x, best[i + 1] if i + 1 < len(best) else None))
