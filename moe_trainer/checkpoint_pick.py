@@ -73,8 +73,7 @@ def _broadcast(obj, rank: int, device: torch.device):
     dist.broadcast(n, src=0)
     buf = torch.empty(int(n.item()), dtype=torch.uint8, device=device)  # host sync: once per pick
     dist.broadcast(buf, src=0)
-    # empty only where a process group moves no data (the dry run's fake one): nothing listed
-    return json.loads(bytes(buf.cpu().tolist())) if buf.numel() else [True, []]
+    return json.loads(bytes(buf.cpu().tolist()))
 
 
 def pick(out_dir: Path, resume: str, rank: int, world: int, device: torch.device = torch.device("cpu"),
