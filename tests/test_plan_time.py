@@ -208,3 +208,22 @@ def test_cpu_prediction_sees_this_machine():
     one, two = predict(1, 1), predict(2, 1)
     assert one["matmul_tflops"] > 0 and one["copy_gbs"] > 0
     assert one["exposed_comm_s"] == 0 and two["exposed_comm_s"] > 0
+    # the host's time per kernel and the rates at the config's shapes are measured here too
+    for r in (one, two):
+        assert r["host_us_per_kernel"] > 0 and r["host_s"] > 0
+        assert all(0 < v < 2 for v in r["efficiency"].values()), r["efficiency"]
+
+
+def test_inline_host_adds_every_launch_to_the_step():
+    """host "inline" (a CPU rank runs what it dispatches): the step grows by exactly the micro-batches'
+    launches, m x kernels x host time per kernel, where "eager" hides them behind the device's time."""
+    from moe_trainer.plan.work import block_kernels
+    cfg = _cfg("moe_tiny.yaml", "train.dtype=fp32")  # fp32: no accumulation hooks on top
+    s = setup_from_config(cfg, 1, gpus_per_node=1)
+    gpu = gpu_named("h100")
+    quiet, slow = Efficiency(host_eager_us=0.0), Efficiency(host_eager_us=30.0)
+    base = step_time(s, gpu, quiet, Mechanisms(host="inline"), 1.0).step
+    inline = step_time(s, gpu, slow, Mechanisms(host="inline"), 1.0).step
+    kernels = sum(block_kernels(s, layer, False) for layer in range(cfg.model.num_hidden_layers))
+    assert inline - base == pytest.approx(s.micro_batches * kernels * 30e-6, rel=1e-9)
+    assert step_time(s, gpu, slow, Mechanisms(host="eager"), 1.0).step < inline

@@ -5,7 +5,12 @@ and memory bandwidth (a large tensor copy), predicts the trainer's step of confi
 median step (metrics.jsonl, after a warm-up) is held against the prediction.
 
 On this machine every efficiency is 1 (the rates are measured, not datasheet peaks), the glue is
-eager (no fused kernels), and the links between ranks are shared memory at the copy bandwidth.
+eager (no fused kernels), and the links between ranks are shared memory at the copy bandwidth. The
+host is `inline`: a CPU rank's thread runs each kernel it dispatches, so the host's time per kernel
+(Python, autograd, the dispatcher) adds to the kernels' own instead of hiding behind a queue as on a
+GPU. Its cost is measured too: a forward and backward of the model on a micro-batch of 8 tokens,
+where the kernels' own work is negligible, divided by the kernels the model counts for one micro-batch
+(plan.work.block_kernels, the GPU path's count; the product is what the model charges per micro-batch).
 
     python -m moe_trainer.bench.plan_time [--ranks 1,2] [--steps 30] [--out F.json]
 """
@@ -46,6 +51,65 @@ def copy_bandwidth(nbytes: int = 256 << 20, trials: int = 5) -> float:
     return best
 
 
+def host_us_per_kernel(cfg, trials: int = 15) -> float:
+    """This rank's host time per launched kernel: the median forward + backward of the model on one
+    8-token micro-batch (compute negligible) over the kernels the step model counts for a micro-batch."""
+    from ..models.registry import build_model
+    from ..plan.work import block_kernels
+    model = build_model(cfg.model, seed=cfg.run.seed)
+    ids = torch.randint(0, cfg.model.vocab_size, (1, 8))
+
+    def step():
+        model(ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+    s = setup_from_config(cfg, 1, gpus_per_node=1)
+    kernels = sum(block_kernels(s, layer, False) for layer in range(cfg.model.num_hidden_layers))
+    return _median_seconds(step, trials) / kernels * 1e6
+
+
+def _median_seconds(fn, trials: int = 15) -> float:
+    times = []
+    for _ in range(trials + 3):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[3:])
+
+
+def kernel_efficiency(cfg, s, peak_tflops: float) -> dict:
+    """The rates this machine sustains at the config's own shapes, as fractions of the large-matmul peak:
+    the routed experts' forward + backward as the kernel back end runs them (grouped), and the causal
+    attention core's forward and backward (attn_fwd, attn_bwd), FLOPs counted as the step model counts them."""
+    from .. import kernels
+    from ..moe.experts import Experts
+    from ..plan.work import _attn_dims, attention_core_flops
+    m, peak = cfg.model, peak_tflops * 1e12
+    mbs, seq = cfg.train.micro_batch_size, cfg.train.seq_len
+    dqk, dv = _attn_dims(m)
+    q, k = (torch.randn(mbs, m.num_attention_heads, seq, dqk, requires_grad=True) for _ in range(2))
+    v = torch.randn(mbs, m.num_attention_heads, seq, dv, requires_grad=True)
+    attn = kernels.backend().causal_attention
+    fwd_s = _median_seconds(lambda: attn(q, k, v, dqk ** -0.5))
+    out = attn(q, k, v, dqk ** -0.5)
+    grad = torch.randn_like(out)
+    bwd_s = _median_seconds(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
+    fwd_flops, bwd_flops = attention_core_flops(m, s)
+    # every routed copy of the micro-batch's tokens, spread evenly over all the experts on one rank
+    n, f = m.n_routed_experts, m.moe_intermediate_size
+    rows = mbs * seq * m.num_experts_per_tok
+    experts = Experts(n, m.hidden_size, f)
+    for w in (experts.gate_up_proj, experts.down_proj):
+        torch.nn.init.normal_(w, std=m.initializer_range)
+    x = torch.randn(rows, m.hidden_size, requires_grad=True)
+    gate = torch.rand(rows, requires_grad=True)
+    counts = torch.full((n,), rows // n, dtype=torch.int64)
+    counts[-1] += rows - int(counts.sum())
+    experts_s = _median_seconds(lambda: experts(x, counts, gate).sum().backward())
+    experts_flops = 3 * 2.0 * rows * 3 * m.hidden_size * f  # three GEMMs, forward + two backward
+    return {"grouped": experts_flops / experts_s / peak, "attn_fwd": fwd_flops / fwd_s / peak,
+            "attn_bwd": bwd_flops / bwd_s / peak}
+
+
 def predict(ranks: int, threads: int) -> dict:
     """The model's step for moe_tiny on `ranks` CPU ranks of `threads` threads each."""
     torch.set_num_threads(threads)
@@ -53,13 +117,19 @@ def predict(ranks: int, threads: int) -> dict:
     bw = copy_bandwidth()
     cpu = Gpu(f"this CPU ({threads} threads per rank)", tflops, 0.0, bw / 1e12, bw / 1e9, bw / 1e9, ranks,
               "measured: metrics.measure_matmul_tflops and a tensor copy")
-    # a CPU rank runs each op in the thread that dispatches it: no launch queue for the host to fall behind
-    eff = Efficiency(gemm=1.0, grouped=1.0, attn_fwd=1.0, attn_bwd=1.0, memory=1.0, nvlink=1.0, net=1.0, a2a=1.0,
-                     host_eager_us=0.0, launch_us=0.0, graph_us=0.0, sync_us=0.0)
     cfg = load_config(str(ROOT / CONFIG), ["train.dtype=fp32"])
-    r = step_time(setup_from_config(cfg, ranks, gpus_per_node=ranks), cpu, eff, Mechanisms(), 1.0)
-    return {"matmul_tflops": tflops, "copy_gbs": bw / 1e9, "step_s": r.step, "compute_s": r.compute,
-            "exposed_comm_s": r.exposed_comm, "optimizer_s": r.optimizer}
+    host_us = host_us_per_kernel(cfg)
+    # the measured rates stand in for the datasheet's efficiencies; a CPU rank runs each op in the thread that dispatches it (host "inline"); its reads of the
+    # tokens-per-expert counts are part of the measured host time
+    s = setup_from_config(cfg, ranks, gpus_per_node=ranks)
+    measured = kernel_efficiency(cfg, s, tflops)
+    eff = Efficiency(gemm=1.0, memory=1.0, nvlink=1.0, net=1.0, a2a=1.0, host_eager_us=host_us, launch_us=0.0,
+                     graph_us=0.0, sync_us=0.0, **measured)
+    r = step_time(s, cpu, eff, Mechanisms(host="inline"), 1.0)
+    return {"matmul_tflops": tflops, "copy_gbs": bw / 1e9, "host_us_per_kernel": host_us,
+            "efficiency": measured, "step_s": r.step,
+            "compute_s": r.compute, "exposed_comm_s": r.exposed_comm, "optimizer_s": r.optimizer,
+            "host_s": r.host_wait}
 
 
 def measure(ranks: int, steps: int) -> dict:
@@ -104,7 +174,9 @@ def main(argv=None) -> int:
         results.append({"ranks": n, "predicted": pred, "measured": meas, "predicted_over_measured": ratio})
         print(f"moe_tiny, {n} rank(s): predicted step {pred['step_s'] * 1e3:.1f} ms (compute "
               f"{pred['compute_s'] * 1e3:.1f}, exposed comm {pred['exposed_comm_s'] * 1e3:.1f}, optimizer "
-              f"{pred['optimizer_s'] * 1e3:.1f}; matmul {pred['matmul_tflops']:.3f} TFLOP/s, copy "
+              f"{pred['optimizer_s'] * 1e3:.1f}, host {pred['host_s'] * 1e3:.1f} at "
+              f"{pred['host_us_per_kernel']:.1f} us per kernel; efficiency "
+              f"{', '.join(f'{k} {v:.2f}' for k, v in pred['efficiency'].items())}; matmul {pred['matmul_tflops']:.3f} TFLOP/s, copy "
               f"{pred['copy_gbs']:.1f} GB/s), measured median {meas['step_s'] * 1e3:.1f} ms over {meas['steps']} "
               f"steps: predicted / measured {ratio:.2f}", flush=True)
     if a.out:

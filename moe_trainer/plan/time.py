@@ -37,7 +37,7 @@ from .work import (PARAM_TENSORS_PER_BLOCK, Gemm, Setup, block_kernels, block_wo
                    uniform_imbalance)
 
 SCHEDULES = ("1f1b", "dualpipe")
-HOSTS = ("eager", "compiled", "fused", "graphs")
+HOSTS = ("eager", "compiled", "fused", "graphs", "inline")
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,8 @@ class Mechanisms:
     fp8_dispatch: bool = False  # the dispatch carries FP8 activations (1 byte), the combine BF16
     # how the host launches a block's kernels: eager (this trainer's eager path, the kernel proxy's eager
     # count at Efficiency.host_eager_us each), compiled (train.compile: inductor's kernels at launch_us),
-    # fused (another framework's fused kernels, inductor's count at launch_us), graphs (CUDA graphs)
+    # fused (another framework's fused kernels, inductor's count at launch_us), graphs (CUDA graphs),
+    # inline (a CPU rank: the thread that dispatches each eager kernel runs it, so host and device add)
     host: str = "eager"
     a2a_sync: bool = True  # at ep > 1 the host reads the tokens-per-expert counts once per MoE block
     grad_accum_fusion: bool = False  # fp32 gradients accumulated inside the weight-gradient GEMM (Megatron)
@@ -201,12 +202,12 @@ def host_seconds(s: Setup, stage: int, eff: Efficiency, mech: Mechanisms) -> dic
     """The host's time to launch one micro-batch of `stage`: per block kind (MoE or not) the seconds of
     one block, and the device-to-host reads (one per MoE block and forward pass at ep > 1: the
     tokens-per-expert counts the all-to-all's split sizes and the grouped GEMM need on the host)."""
-    per = {"eager": eff.host_eager_us, "compiled": eff.launch_us, "fused": eff.launch_us,
-           "graphs": 0.0}[mech.host] * 1e-6
+    per = {"eager": eff.host_eager_us, "inline": eff.host_eager_us, "compiled": eff.launch_us,
+           "fused": eff.launch_us, "graphs": 0.0}[mech.host] * 1e-6
     # BF16_Optimizer's accumulation hooks run eager whatever the layers do: two kernels per parameter
     hooks = 2 * PARAM_TENSORS_PER_BLOCK * eff.host_eager_us * 1e-6 if _hook_accumulation(s, mech) else 0.0
     graphs = 2 * eff.graph_us * 1e-6 if mech.host == "compiled" else 0.0
-    blocks = {key: (n, block_kernels(s, layer, mech.host != "eager") * per + hooks + graphs)
+    blocks = {key: (n, block_kernels(s, layer, mech.host not in ("eager", "inline")) * per + hooks + graphs)
               for key, (layer, n) in _stage_kinds(s, stage).items()}
     moe = sum(n for (is_moe, _), (n, _t) in blocks.items() if is_moe)
     syncs = moe * _passes(s.recompute) if s.ep > 1 and mech.a2a_sync and mech.host != "graphs" else 0.0
@@ -299,7 +300,9 @@ def _per_micro_batch(kinds: dict, comm: dict, mech: Mechanisms, host: dict,
     }
     device = c + sum(exposed.values())
     launch = sum(n * t for n, t in host["blocks"].values())
-    if host["drains"]:
+    if mech.host == "inline":  # no queue between host and device: every launch's host time is the rank's
+        busy = device + launch + host["syncs"]
+    elif host["drains"]:
         # the read drains the stream: the host cannot run ahead past a MoE block, so each one takes the
         # longer of its device time (compute and exposed all-to-all) and its launches; the rest of the
         # stage (dense blocks, head) overlaps as a whole
