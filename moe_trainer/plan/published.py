@@ -142,8 +142,9 @@ CALIBRATION = (
                               fp8_dispatch=True, host="fused", grad_accum_fusion=True),
         config="configs/deepseek_v3_671b.yaml", overrides=("parallel.recompute=none",),
         assumptions="DualPipe: all-to-all and pipeline sends hidden behind the paired micro-batch's compute, "
-                    "dispatch over IB once per target node (at most 4) in FP8, combine in BF16, bubble (p/2 - 1)(F&B + B - 3W) with W = B/2, compute slowed by the 20 SMs given to "
-                    "communication; FP8 GEMMs, BF16 attention; recomputation of RMSNorm and the MLA "
+                    "dispatch over IB once per target node (at most 4) in FP8, combine in BF16, rank r holding stages r "
+                    "and p-1-r, bubble (p/2 - 1)(F&B + B - 3W) with W = B/2, compute slowed by the 20 SMs given to "
+                    "communication; FP8 GEMMs with their quantisation passes, BF16 attention; recomputation of RMSNorm and the MLA "
                     "up-projections only (counted as none); load imbalance of uniform routing (the bias "
                     "balances the expected load); 120 micro-batches per step (15,360 sequences of 4K); its "
                     "own fused kernels launched at launch_us, a tokens-per-expert read per MoE block"),

@@ -120,9 +120,20 @@ def _gemm_seconds(g: Gemm, gpu: Gpu, eff: Efficiency, mech: Mechanisms, act_byte
     fp8 = mech.gemm_dtype == "fp8"
     peak = (gpu.fp8_tflops if fp8 else gpu.bf16_tflops) * 1e12
     rate = peak * (eff.fp8_gemm if fp8 else eff.gemm) * (eff.grouped if g.grouped else 1.0)
-    elem = 1 if fp8 else act_bytes
-    moved = (g.rows * g.inner + g.inner * g.cols + g.rows * g.cols) * elem * g.count
+    elem = 1 if fp8 else act_bytes  # FP8 operands; the output stays in the activations' dtype
+    moved = ((g.rows * g.inner + g.inner * g.cols) * elem + g.rows * g.cols * act_bytes) * g.count
     return max(g.flops / rate, moved / (gpu.hbm_tbs * 1e12 * eff.memory))
+
+
+def _fp8_quant_bytes(g: Gemm, fwd_passes: float) -> float:
+    """HBM bytes of the quantisation passes one FP8 GEMM needs per micro-batch, forward + backward, with
+    DeepSeek-V3's fine-grained scaling (arXiv:2412.19437 sec. 3.5.2): every forward reads its BF16 input
+    and writes it as FP8 1x128 tiles (3 bytes per element); the backward quantises the output gradient
+    the same way, and the weight gradient reads the stored FP8 input and the FP8 output gradient back,
+    transposes them and writes them again as 128x1 tiles (2 bytes per element each). The weights'
+    128x128 blocks are quantised once per step (not counted)."""
+    inp, out = g.rows * g.inner * g.count, g.rows * g.cols * g.count
+    return 3 * fwd_passes * inp + 3 * out + 2 * (inp + out)
 
 
 def _passes(recompute: str) -> float:
@@ -152,6 +163,8 @@ def _block_seconds(s: Setup, layer: int, gpu: Gpu, eff: Efficiency, mech: Mechan
     # recomputation re-runs the norms' and SwiGLU activations' forward
     again = w.selective_bytes / 3 if s.recompute == "selective" else 0.0
     out["glue"] = glue / hbm * (w.glue_bytes * (1 + (fwd_passes - 1) / 3) + again)
+    if mech.gemm_dtype == "fp8":
+        out["glue"] += sum(_fp8_quant_bytes(g, fwd_passes) for g in w.gemms) / hbm
     attn_side += out["attention"] + out["glue"] / 2
     return out, attn_side / sum(out.values())
 
@@ -326,6 +339,18 @@ def _moe_block(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms
     return sum(n for (is_moe, _), (_, n) in kinds.items() if is_moe), sum(secs.values()) / slow, share
 
 
+def _dualpipe_rank(a: tuple, b: tuple) -> tuple:
+    """A DualPipe rank's row from its two stages' rows (per micro-batch seconds, compute, exposed,
+    host wait, compute kinds, communication): per micro-batch times are the mean, the once-per-step
+    data-parallel reduction and the optimizer's shard cover both stages' parameters."""
+    def mean(x: dict, y: dict) -> dict:
+        return {k: (x[k] + y[k]) / 2 for k in x}
+    comm = mean(a[5], b[5])
+    comm["data_parallel"] = a[5]["data_parallel"] + b[5]["data_parallel"]
+    comm["shard_params"] = a[5]["shard_params"] + b[5]["shard_params"]
+    return ((a[0] + b[0]) / 2, (a[1] + b[1]) / 2, mean(a[2], b[2]), (a[3] + b[3]) / 2, mean(a[4], b[4]), comm)
+
+
 def step_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms = TRAINER_TODAY,
               imbalance: Optional[float] = None) -> StepTime:
     """The step of `s` on `gpu`; `imbalance`: the busiest EP rank's load over the mean (None: uniform
@@ -341,10 +366,15 @@ def step_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms = TRAINER_TO
         raise PlanError(f"the load imbalance (busiest EP rank over the mean) must be at least 1, got {f:g}.")
     per_stage = [(stage_compute(s, st, gpu, eff, mech, f), comm_seconds(s, st, gpu, eff, f, mech),
                   mech, host_seconds(s, st, eff, mech), _moe_block(s, st, gpu, eff, mech, f)) for st in range(s.pp)]
-    # the pipeline runs at its slowest stage's pace: compute plus what it cannot hide, per micro-batch
-    stage = max(range(s.pp), key=lambda st: _per_micro_batch(*per_stage[st])[0])
-    kinds, comm = per_stage[stage][:2]
-    per_mb, c, exposed, host_wait = _per_micro_batch(*per_stage[stage])
+    rows = [(*_per_micro_batch(*ps), ps[0], ps[1]) for ps in per_stage]
+    if mech.schedule == "dualpipe":
+        # DualPipe feeds micro-batches from both ends: rank r holds stage r and stage p-1-r (two copies of
+        # the parameters, arXiv:2412.19437 sec. 3.2.1) and runs half the micro-batches through each, so
+        # its time per micro-batch is the two stages' mean and it reduces and steps both stages' weights
+        rows = [_dualpipe_rank(rows[r], rows[s.pp - 1 - r]) for r in range(s.pp)]
+    # the pipeline runs at its slowest rank's pace: compute plus what it cannot hide, per micro-batch
+    stage = max(range(s.pp), key=lambda st: rows[st][0])
+    per_mb, c, exposed, host_wait, kinds, comm = rows[stage]
     m, p, v = s.micro_batches, s.pp, s.virtual_stages
     if mech.schedule == "dualpipe":
         fwd = c / 3
