@@ -87,6 +87,27 @@ def test_bubble_and_overlap_follow_their_formulas():
     assert worse.totals["compute.expert_gemm"] > plain.totals["compute.expert_gemm"] * 1.25
 
 
+def test_dualpipe_ranks_hold_two_stages_and_fp8_pays_its_quantisation():
+    """DualPipe: rank r runs half the micro-batches through stage r and half through stage p-1-r, so the
+    slowest rank's compute is the largest mean of a mirrored pair, not the slowest stage's. FP8 GEMMs
+    add their quantisation passes (5 bytes per element of each GEMM's input and output) to the glue."""
+    from moe_trainer.plan.time import stage_compute
+    s = setup_from_config(_cfg("deepseek_v3_671b.yaml", "parallel.recompute=none"), 2048)
+    gpu, eff = gpu_named("h800"), Efficiency()
+    mech = Mechanisms(host="graphs", schedule="dualpipe")
+    per_stage = [sum(stage_compute(s, st, gpu, eff, mech, 1.0).values()) for st in range(s.pp)]
+    assert per_stage[-1] > max(per_stage[1:-1]) * 1.05  # the head's stage is the slowest alone
+    r = step_time(s, gpu, eff, mech, 1.0)
+    pairs = [(per_stage[i] + per_stage[s.pp - 1 - i]) / 2 for i in range(s.pp)]
+    assert r.micro_batch_compute == pytest.approx(pairs[r.stage], rel=1e-9)  # the slowest rank's pair
+    assert r.micro_batch_compute <= max(pairs) < per_stage[-1]
+    fp8 = dataclasses.replace(mech, gemm_dtype="fp8")
+    glue8, glue16 = (stage_compute(s, 1, gpu, eff, m, 1.0)["glue"] for m in (fp8, mech))
+    w = block_work(s, 4, 1.0)
+    quant = sum(5 * g.count * g.rows * (g.inner + g.cols) for g in w.gemms)
+    assert glue8 - glue16 == pytest.approx(s.partition[1] * quant / (gpu.hbm_tbs * 1e12 * eff.memory), rel=1e-6)
+
+
 def test_paired_overlap_hides_each_transfer_behind_its_partner_only():
     """Each of a MoE block's four transfers hides behind one compute phase of the paired micro-batch:
     compute longer than every transfer hides all; one long transfer shows by its excess alone."""
