@@ -94,8 +94,8 @@ def main(argv=None) -> None:
                 results[name][mode].append(f)
                 print(f"round {rnd + 1} {name:>18} {mode:>3}: step {f['step_time_s']:.3f} s, exposed all-to-all "
                       f"{f['time.exposed_all_to_all_s']:.3f} s of {f['time.all_to_all_s']:.3f} s", flush=True)
-    print(f"\n| setting | step off (s) | step on (s) | speedup off/on | all-to-all hidden | exposed on (s) |\n"
-          f"|---|---|---|---|---|---|")
+    print("\n| setting | step off (s) | step on (s) | speedup off/on | all-to-all hidden | exposed on (s) |\n"
+          "|---|---|---|---|---|---|")
     summary = {}
     for name, res in results.items():
         off, on = res["off"], res["on"]
