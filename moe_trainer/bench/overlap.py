@@ -27,8 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/moe_tiny.yaml"
-# micro-batches of 1, 8 per step per rank: 7 overlapped pairs (the first forward and last backward run alone)
-BASE = ["parallel.ep=2", "train.micro_batch_size=1", "train.global_batch_size=16", "train.eval_every=0",
+# micro-batches of 1, 16 per step per rank: 15 overlapped pairs (the first forward and the last backward run
+# alone, so at most 15/16 of the all-to-all time can hide)
+BASE = ["parallel.ep=2", "train.micro_batch_size=1", "train.global_batch_size=32", "train.eval_every=0",
         "train.checkpoint_every=0", "train.resume=none", "train.log_every=1", "metrics.peak_tflops=1.0",
         "metrics.tensorboard=false", "metrics.noise_scale=false"]
 A2A = ("dispatch", "combine")

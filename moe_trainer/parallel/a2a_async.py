@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..kernels.cpu.shm_alltoall import SPIN_S_SHARED_CORE
 from . import link
 from .comm import CommCounter, _count_rows, offrank_bytes, shm_transport, use_shm_transport
 
@@ -37,6 +38,9 @@ class SerialTransport:
 
     def __init__(self, transport):
         self.transport = transport
+        # the thread waits for peers while this rank computes: a spinning wait would take the core the
+        # compute needs, so it spins only briefly before sleeping on the rings' doorbell
+        transport.spin_s = min(transport.spin_s, SPIN_S_SHARED_CORE)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ep-all-to-all")
 
     def submit(self, name: str, *args) -> concurrent.futures.Future:
