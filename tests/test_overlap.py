@@ -7,7 +7,7 @@ from conftest import TINY, assert_same_steps, check, launch, read_metrics
 from moe_trainer.config import ConfigError
 from moe_trainer.resolve import load_config
 
-STEPS = ["train.max_steps=3"]
+STEPS = ["train.max_steps=2"]
 
 
 def _exact(r: dict, with_bytes: bool) -> dict:
@@ -22,7 +22,7 @@ def _compare(tmp_path, world: int, overrides: list[str], with_bytes: bool = True
         out = tmp_path / overlap
         check(launch(world, out, TINY + STEPS + overrides + [f"parallel.overlap={overlap}"]))
         runs[overlap] = out
-    assert_same_steps(runs["none"], runs["a2a"], steps=(1, 2, 3), rel=1e-6)
+    assert_same_steps(runs["none"], runs["a2a"], steps=(1, 2), rel=1e-6)
     blocking, overlapped = (read_metrics(runs[k]) for k in ("none", "a2a"))
     blocking, overlapped = ([r for r in rows if "loss" in r] for rows in (blocking, overlapped))
     for a, b in zip(blocking, overlapped):
