@@ -24,11 +24,14 @@ def _compare(tmp_path, world: int, overrides: list[str], with_bytes: bool = True
         runs[overlap] = out
     assert_same_steps(runs["none"], runs["a2a"], steps=(1, 2), rel=1e-6)
     blocking, overlapped = (read_metrics(runs[k]) for k in ("none", "a2a"))
-    blocking, overlapped = ([r for r in rows if "loss" in r] for rows in (blocking, overlapped))
-    for a, b in zip(blocking, overlapped):
+    for a, b in zip(*(_steps(rows) for rows in (blocking, overlapped))):
         assert _exact(a, with_bytes) == _exact(b, with_bytes) and any(k.startswith("expert.") for k in a)
         assert not with_bytes or any(k.startswith("comm.dispatch") for k in _exact(a, True))
     return blocking, overlapped
+
+
+def _steps(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "loss" in r]
 
 
 def test_overlap_matches_blocking_ep2_mtp_full_recompute_aux_losses(tmp_path):
@@ -38,7 +41,7 @@ def test_overlap_matches_blocking_ep2_mtp_full_recompute_aux_losses(tmp_path):
     blocking, overlapped = _compare(tmp_path, 2, [
         "parallel.ep=2", "model.num_nextn_predict_layers=1", "parallel.recompute=full", "model.seq_aux_loss_alpha=0.01",
         "model.router_z_loss_coef=0.001", "train.global_batch_size=8", "debug.link_latency_us=300"], with_bytes=False)
-    for a, b in zip(blocking, overlapped):
+    for a, b in zip(_steps(blocking), _steps(overlapped)):
         # the exposed wait is part of the all-to-alls' time, and there is some of each
         assert 0 < b["time.exposed_all_to_all_s"] <= b["time.all_to_all_s"]
         assert b["comm.a2a_wait_s"] > 0 and b["comm.overlapped_dispatch_s"] > 0
@@ -51,10 +54,14 @@ def test_overlap_matches_blocking_ep2_mtp_full_recompute_aux_losses(tmp_path):
 
 def test_overlap_matches_blocking_ep4_dedup_capacity_documents(tmp_path):
     """ep 4 on 4 ranks, dedup dispatch, a capacity factor (dropped copies), document masks with
-    position resets, selective recomputation; grad_accum 2."""
-    _compare(tmp_path, 4, ["parallel.ep=4", "parallel.dedup_dispatch=true", "model.capacity_factor=1.0",
-                           "data.document_mask=true", "data.position_reset=true", "parallel.recompute=selective",
-                           "train.global_batch_size=16"])
+    position resets, selective recomputation, an evaluation; grad_accum 2."""
+    blocking, overlapped = _compare(tmp_path, 4, [
+        "parallel.ep=4", "parallel.dedup_dispatch=true", "model.capacity_factor=1.0", "data.document_mask=true",
+        "data.position_reset=true", "parallel.recompute=selective", "train.global_batch_size=16",
+        "train.eval_every=2"])
+    # the evaluation's blocking forward on the overlapped run's transports (its shm rings on their thread)
+    evals = [[r["val_loss"] for r in rows if "val_loss" in r] for rows in (blocking, overlapped)]
+    assert evals[0] == evals[1] and len(evals[0]) == 1
 
 
 @pytest.mark.parametrize("overrides, why", [

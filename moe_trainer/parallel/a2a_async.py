@@ -8,10 +8,14 @@ current stream wait for it (an event: no host synchronisation; the split sizes w
 already, by the dispatcher's one read per layer). The input is kept alive until the wait, so its
 memory is not reused while a transfer may still read it.
 
-The shared-memory rings (comm.enable_shm_transport) are synchronous: overlapped, the group's
-transport is wrapped in a SerialTransport, one background thread that runs every call on that group
-(asynchronous ones and blocking ones alike, such as the split-size exchange) in the order they were
-made: the same order on every rank, as the rings need. The rings release the GIL while they wait.
+The shared-memory rings between CPU ranks of one host (comm.enable_shm_transport) are synchronous:
+there, the exchange itself runs when the all-to-all is completed, on the rank's own thread (every
+rank completes them in the same order, as the rings need). What hides behind the other micro-batch
+is then the link's time (debug.link_gbps: the emulated transfer runs from the issue), as on a link
+whose transfers a DMA engine carries; the copy through the rings and the wait for a late peer stay
+exposed. (A background thread running the rings cost more than it hid on 2 cores: each exchange
+became two thread hand-offs, and the split-size exchange had to take the same thread.) gloo
+(parallel.cpu_alltoall=gloo) and NCCL run the transfer itself in the background.
 
 A rank's wait in Inflight.wait() is the exposed all-to-all time: counted as the span kind
 "a2a_wait" (observers.py adds it to time.exposed_all_to_all_s); the transfer's own span (issue to
@@ -20,47 +24,25 @@ under its kind, as the blocking path counts them.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ..kernels.cpu.shm_alltoall import SPIN_S_SHARED_CORE
 from . import link
-from .comm import CommCounter, _count_rows, offrank_bytes, shm_transport, use_shm_transport
+from .comm import CommCounter, _count_rows, offrank_bytes, shm_transport
 
 
-class SerialTransport:
-    """A synchronous transport's calls on one background thread, first in first out. submit() returns
-    a future; any other method of the transport is called through the thread and waited for."""
+class _AtCompletion:
+    """A shared-memory ring exchange run when the all-to-all is completed (wait()), on the rank's own
+    thread: the rings are synchronous, and every rank completes its all-to-alls in the same order."""
 
-    def __init__(self, transport):
-        self.transport = transport
-        # the thread waits for peers while this rank computes: a spinning wait would take the core the
-        # compute needs, so it spins only briefly before sleeping on the rings' doorbell
-        transport.spin_s = min(transport.spin_s, SPIN_S_SHARED_CORE)
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ep-all-to-all")
+    def __init__(self, run):
+        self.run = run
 
-    def submit(self, name: str, *args) -> concurrent.futures.Future:
-        return self.pool.submit(getattr(self.transport, name), *args)
-
-    def __getattr__(self, name):
-        attr = getattr(self.transport, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args, **kwargs):
-            return self.pool.submit(attr, *args, **kwargs).result()
-        return call
-
-
-def serialize_transport(group) -> None:
-    """Run the group's shared-memory transport (if it has one) on a SerialTransport; idempotent."""
-    transport = shm_transport(group)
-    if transport is not None and not isinstance(transport, SerialTransport):
-        use_shm_transport(group, SerialTransport(transport))
+    def wait(self) -> None:
+        self.run()
 
 
 class Inflight:
@@ -72,10 +54,7 @@ class Inflight:
 
     def wait(self) -> torch.Tensor:
         t0 = self.counter.mark() if self.counter is not None else None
-        if isinstance(self.work, concurrent.futures.Future):
-            self.work.result()
-        else:
-            self.work.wait()
+        self.work.wait()
         if self.until is not None:
             link.hold(self.until)
         if self.counter is not None:
@@ -95,8 +74,8 @@ def issue(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
     until = link.deadline(time.perf_counter(), offrank_bytes(x, out_splits, in_splits, group)) \
         if link.enabled() else None
     transport = shm_transport(group)
-    if isinstance(transport, SerialTransport) and x.device.type == "cpu":
-        work = transport.submit("all_to_all_single", out, x, out_splits, in_splits)
+    if transport is not None and x.device.type == "cpu":
+        work = _AtCompletion(lambda: transport.all_to_all_single(out, x, out_splits, in_splits))
     else:
         work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
     _count_rows(counter, kind, x, out_splits, in_splits, group)

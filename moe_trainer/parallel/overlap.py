@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..metrics import StepClock
-from .a2a_async import issue, serialize_transport
+from .a2a_async import issue
 from .overlap_model import stage_functions
 from .pipeline import _OutputGradient
 
@@ -73,7 +73,6 @@ class OverlapExecutor:
         self.engine, self.m, self.group, self.counter = engine, micro_batches, group, counter
         self.clock = clock or StepClock()
         self.stages = stage_functions(model, recompute)
-        serialize_transport(group)
         self.poison = False
 
     # ------------------------------------------------------------------ one micro-batch
