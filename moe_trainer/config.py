@@ -167,6 +167,9 @@ class ParallelConfig:
     # expert placement plan (tools/expert_load.py plan): none | <plan JSON> | auto (<run.out_dir>/
     # expert_placement.json when it exists at start or resume, written by `expert_load.py plan --apply`)
     expert_placement: str = "auto"
+    # a2a: the expert all-to-alls of one micro-batch in flight while another computes (parallel/overlap.py;
+    # deepseek_v3, ep > 1, pp = tp = cp = 1, not compiled); none: every all-to-all waited for where it is issued
+    overlap: str = "none"
 
 
 @dataclass
@@ -201,6 +204,10 @@ class DebugConfig:
     # faults injected on purpose (faults.py), each fired once per run directory: KIND@STEP[:RANK] with KIND
     # bitflip | spike | hang | slow | kill | nan, e.g. [bitflip@3:1, spike@9]
     faults: list = field(default_factory=list)
+    # the emulated link (parallel/link.py), benchmarks and tests only: every EP all-to-all completes no earlier
+    # than link_latency_us + bytes / link_gbps after it was issued; 0 = off
+    link_gbps: float = 0.0
+    link_latency_us: float = 0.0
 
 
 @dataclass
@@ -233,6 +240,7 @@ CHOICES = {
     "parallel.schedule": ("1f1b", "gpipe"),
     "parallel.cpu_alltoall": ("shm", "gloo"),
     "parallel.cpu_p2p": ("shm", "gloo"),
+    "parallel.overlap": ("none", "a2a"),
 }
 
 

@@ -73,19 +73,23 @@ class Observers:
     def step_figures(self, r: dict) -> dict:
         """The step's time and its split (what Interval averages between log steps)."""
         seconds = r["comm"].get("seconds", {})
-        # the split's share of the dispatch/combine all-to-alls (forward and backward)
-        ep_kinds = ("dispatch", "combine")
-        a2a = sum(s for k, s in seconds.items() if k.startswith(ep_kinds))
+        # the split's share of the dispatch/combine all-to-alls (forward and backward); overlapped ones
+        # (parallel.overlap=a2a, a2a_async.py) are timed from issue to completion as "overlapped_<kind>",
+        # and the time a rank waited for them as "a2a_wait"
+        ep_kinds = ("dispatch", "combine", "overlapped_")
+        blocking = sum(s for k, s in seconds.items() if k.startswith(ep_kinds[:2]))
+        a2a = blocking + sum(s for k, s in seconds.items() if k.startswith(ep_kinds[2]))
         out = {"step_time_s": r["step_time"], **r["times"].as_dict()}
         # inside compiled layers (train.compile) the all-to-alls are counted but not timed (no clock
         # mark in a graph): then no figure rather than 0
         moved = any(k.startswith(ep_kinds) for k in r["comm"].get("sent", {}))
         if any(k.startswith(ep_kinds) for k in seconds) or not moved:
             out["time.all_to_all_s"] = a2a
-            # the split tools/plan.py --time predicts: the all-to-alls run inside forward and backward and
-            # nothing overlaps them yet, so all of their time is exposed wait, the rest is compute
-            out["time.compute_s"] = max(0.0, out["time.forward_s"] + out["time.backward_s"] - a2a)
-            out["time.exposed_all_to_all_s"] = a2a
+            # the split tools/plan.py --time predicts: a blocking all-to-all's whole time is exposed wait,
+            # an overlapped one's only the time a rank waited for it; the rest is compute
+            exposed = blocking + seconds.get("a2a_wait", 0.0)
+            out["time.compute_s"] = max(0.0, out["time.forward_s"] + out["time.backward_s"] - exposed)
+            out["time.exposed_all_to_all_s"] = exposed
         return out
 
     def begin_step(self, step: int) -> None:

@@ -58,11 +58,31 @@ def check(cfg: Config) -> None:
     _require(not cfg.data.tokenizer or Path(cfg.data.tokenizer).exists(),
              f"data.tokenizer {cfg.data.tokenizer} does not exist (give a tokenizer.json or a Hugging Face "
              f"tokenizer directory).")
+    check_overlap(cfg)
     from .faults import FaultSpecError, parse_faults
     try:
         parse_faults(cfg.debug.faults)
     except FaultSpecError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_overlap(cfg: Config) -> None:
+    """parallel.overlap=a2a where the overlapped executor (parallel/overlap.py) runs; debug.link_* >= 0."""
+    d = cfg.debug
+    _require(is_number(d.link_gbps) and d.link_gbps >= 0 and is_number(d.link_latency_us) and d.link_latency_us >= 0,
+             f"debug.link_gbps and debug.link_latency_us must be numbers >= 0 (0 = off), got {d.link_gbps!r} and "
+             f"{d.link_latency_us!r}.")
+    p, m = cfg.parallel, cfg.model
+    if p.overlap == "none":
+        return
+    why = ("model.arch is llama3, which has no all-to-all to hide" if m.arch != "deepseek_v3" else
+           "parallel.ep is 1: there is no all-to-all to hide" if p.ep == 1 else
+           "parallel.pp > 1: the overlapped executor runs at pp = 1 only so far" if p.pp > 1 else
+           "parallel.tp or parallel.cp > 1: the overlapped executor runs without tensor or context parallelism"
+           if p.tp > 1 or p.cp > 1 else
+           "train.compile is true: the overlapped stages run eager (train.compile: auto turns it off)"
+           if cfg.train.compile is True else None)
+    _require(why is None, f"parallel.overlap=a2a cannot run here: {why}; set parallel.overlap=none.")
 
 
 def _require(cond: bool, message: str) -> None:

@@ -192,7 +192,8 @@ def resolve_device_settings(cfg, device) -> None:
     if cfg.train.dtype == "auto":
         cfg.train.dtype = "fp32" if device.type == "cpu" else "bf16"
     if cfg.train.compile == "auto":
-        cfg.train.compile = device.type == "cuda"
+        # the overlapped executor's stages run eager (parallel/overlap.py)
+        cfg.train.compile = device.type == "cuda" and cfg.parallel.overlap == "none"
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 tensor cores for fp32 GEMMs
 

@@ -43,6 +43,8 @@ from .parallel.launch import progress
 from .parallel.mesh import DeepSpeedMPU, Mesh
 from .parallel.pipeline import PipelineExecutor, Trace, build_stage
 from .kernels.cpu.shm_alltoall import P2P_RING_BYTES, RING_BYTES, SMALL_RING_BYTES
+from .parallel import link
+from .parallel.overlap import OverlapExecutor
 from .parallel.parallelize import parallelize
 from .parallel.zero import build_engine, set_lr
 
@@ -137,6 +139,11 @@ class Trainer:
         # (where edp and dpcp are one group, at ep 1, its traffic counts as dp)
         count_deepspeed_collectives(self.comm, {mesh.group("edp"): "edp", mesh.group("dpcp"): "dp"})
         self.executor = self._build_executor() if self.pipelined else None
+        link.configure(cfg.debug.link_gbps, cfg.debug.link_latency_us)
+        # parallel.overlap=a2a: micro-batch pairs with their all-to-alls overlapped (config checks: pp = 1)
+        self.overlap = OverlapExecutor(self.engine, self.engine.module, self.layout.grad_accum, mesh.group("ep"),
+                                       self.comm, self.clock, cfg.parallel.recompute) \
+            if cfg.parallel.overlap == "a2a" else None
         self.expert_load = ExpertLoadTracker(cfg.model, self.model, mesh, device)  # and the bias update
         self.loss_keys = loss_keys(cfg.model)
         self.step = 0
@@ -316,6 +323,8 @@ class Trainer:
         self.observers.begin_step(self.step + 1)
         if self.pipelined:
             return self.pipeline_step(poison)
+        if self.overlap is not None:
+            return self.overlap_step(poison)
         t0 = time.perf_counter()
         sums: dict[str, torch.Tensor] = {}
         marks = []  # per micro-batch: (start, data, forward, backward, optimizer) clock marks
@@ -350,6 +359,16 @@ class Trainer:
         step_time = time.perf_counter() - t0  # after reduce_losses' host sync: the step's kernels are done
         return {"losses": losses, "times": times, "step_time": step_time, "expert": expert,
                 "comm": self.comm.reset(self.clock), "skipped": skipped}
+
+    def overlap_step(self, poison: bool) -> dict:
+        t0 = time.perf_counter()
+        self.overlap.poison = poison
+        sums, spans = self.overlap.step(self.micro_batch)
+        record = self.finish_step(sums, StepTimes(), t0)  # ends in a host sync: every mark is done now
+        times = record["times"]
+        times.forward, times.backward = (sum(self.clock.seconds(a, b) for a, b in spans[k])
+                                         for k in ("forward", "backward"))
+        return record
 
     def pipeline_step(self, poison: bool) -> dict:
         if self.trace.enabled:

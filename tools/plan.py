@@ -168,7 +168,8 @@ def _run_time(args, argv) -> int:
     else:
         cfg = load_config(args.config, args.set, read_init_from=True)
         setup = setup_from_config(cfg, args.gpus, args.zero, args.gpus_per_node)
-        mech = time_mod.trainer_mechanisms(cfg.train.compile)
+        # parallel.overlap=a2a: the trainer pairs micro-batches as --overlap models (at pp = 1, resolve.py)
+        mech = time_mod.trainer_mechanisms(cfg.train.compile, a2a_overlap=cfg.parallel.overlap == "a2a")
     mech = time_mod.dataclasses.replace(mech, a2a_overlap=mech.a2a_overlap or args.overlap,
                                         gemm_dtype=args.gemm_dtype or mech.gemm_dtype)
     gpu, eff = _gpu_eff(args)

@@ -5,6 +5,7 @@ Backward of an all-to-all is the all-to-all with the splits swapped.
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from typing import Optional
 
@@ -14,6 +15,7 @@ import torch.distributed._functional_collectives as fc
 
 from ..kernels.cpu.shm_alltoall import RING_BYTES, ShmAllToAll
 from ..metrics import StepClock
+from . import link
 
 
 # the kinds an expert-parallel MoE layer counts inside a torch.compile graph (parallel/expert.py)
@@ -244,6 +246,14 @@ def _count_rows(counter: Optional[CommCounter], kind: str, x: torch.Tensor, out_
         counter.add(kind + "_grad", received, sent)
 
 
+def offrank_bytes(x: torch.Tensor, out_splits, in_splits, group) -> int:
+    """The larger of the bytes of rows x sends to and receives from other ranks (the emulated link's
+    load, link.py)."""
+    me = dist.get_rank(group)
+    row = math.prod(x.shape[1:]) * x.element_size()
+    return max(sum(in_splits) - in_splits[me], sum(out_splits) - out_splits[me]) * row
+
+
 def all_to_all_single(out: torch.Tensor, x: torch.Tensor, out_splits: Optional[list[int]] = None,
                       in_splits: Optional[list[int]] = None, group=None) -> None:
     """dist.all_to_all_single, through the group's shared-memory transport when it has one (a
@@ -277,7 +287,10 @@ def _exchange(x, out_splits, in_splits, group, counter, kind):
     x = x.contiguous()
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     start = counter.mark() if counter is not None else None
+    issued = time.perf_counter()
     all_to_all_single(out, x, out_splits, in_splits, group)
+    if link.enabled():  # the emulated link (benchmarks, tests): no earlier than its transfer time
+        link.hold(link.deadline(issued, offrank_bytes(x, out_splits, in_splits, group)))
     if counter is not None:
         counter.add_span(kind, start)
         _count_rows(counter, kind, x, out_splits, in_splits, group)

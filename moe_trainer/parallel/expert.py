@@ -39,7 +39,7 @@ every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -97,6 +97,21 @@ class _AllToAllGroup(torch.autograd.Function):
 
 
 @dataclass
+class Outbound:
+    """A dispatch's or combine's tensors on their way out, cut at the exchange: one all-to-all per
+    tensor (specs: (out_splits, in_splits, kind) each), then complete(received, carried) finishes on
+    this rank. `carried`: tensors of the sending side that complete() uses (the gates a plain combine
+    applies at the source); the overlapped executor re-roots them between its stages. The blocking
+    path (send_now) runs both back to back. dropped, load: what MoE._count reads, known before."""
+    tensors: tuple
+    specs: tuple
+    carried: tuple
+    complete: Callable
+    dropped: int = 0
+    load: Optional[int] = None
+
+
+@dataclass
 class _DedupCtx:
     tokens: torch.Tensor  # (S,) source token of each sent row, grouped by destination rank
     pair_row: torch.Tensor  # (M,) received row of each expanded (row, local expert) pair, expert-sorted
@@ -133,6 +148,24 @@ class AllToAllDispatcher:
             self.counter.add_span(kind, start)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> Dispatched:
+        return self.send_now(self.dispatch_out(x, topk_idx, topk_weight))
+
+    def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
+        return self.send_now(self.combine_out(y, d))
+
+    def send_now(self, o: "Outbound"):
+        """The blocking exchange: o's all-to-alls (one autograd node), then o.complete. The overlapped
+        executor (overlap.py) issues the same tensors asynchronously instead and completes later."""
+        if len(o.tensors) == 1:
+            (out, inp, kind), = o.specs
+            received = (all_to_all_rows(o.tensors[0], out, inp, self.group, self.counter, kind),)
+        else:
+            received = _AllToAllGroup.apply_or_trace(o.specs, self.group, self.counter, *o.tensors)
+        return o.complete(received, o.carried)
+
+    def dispatch_out(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> "Outbound":
+        """Routing and the split-size exchange; the token rows to send. complete(received, carried)
+        -> Dispatched."""
         if self.dedup:
             return self._dispatch_dedup(x, topk_idx, topk_weight)
         n, k = topk_idx.shape
@@ -151,16 +184,20 @@ class AllToAllDispatcher:
         if order.numel() == n * k:  # dropless: each token's k copies, at sorted positions by_row
             inverse = inverse_permutation(order)
             by_row = rows_by_token(inverse, n, k)
-        received, _, weights = self._send(GatherRows.apply(x, token_of, by_row, k), out_splits, in_splits)
-        # 3. regroup received rows (source-major) into local-expert-major order
-        local_expert = torch.repeat_interleave(torch.arange(self.n_local, device=x.device).repeat(self.ep),
-                                               recv.reshape(-1), output_size=sum(out_splits))
-        regroup, _ = sort_by_key(local_expert, self.n_local, self.kernels)
-        unsort = inverse_permutation(regroup)
         gate = GatherRows.apply(topk_weight.reshape(-1), order, inverse, 1)
-        ctx = _A2ACtx(token_of, gate, in_splits, out_splits, unsort, n, regroup, by_row, k)
-        return Dispatched(GatherRows.apply(received, regroup, unsort, 1), None, recv.sum(0), ctx,
-                          dropped, load=sum(out_splits), weights=weights)
+
+        def complete(out, carried) -> Dispatched:
+            received, _, weights = self._received(out, False)
+            # 3. regroup received rows (source-major) into local-expert-major order
+            local_expert = torch.repeat_interleave(torch.arange(self.n_local, device=x.device).repeat(self.ep),
+                                                   recv.reshape(-1), output_size=sum(out_splits))
+            regroup, _ = sort_by_key(local_expert, self.n_local, self.kernels)
+            unsort = inverse_permutation(regroup)
+            ctx = _A2ACtx(token_of, carried[0], in_splits, out_splits, unsort, n, regroup, by_row, k)
+            return Dispatched(GatherRows.apply(received, regroup, unsort, 1), None, recv.sum(0), ctx,
+                              dropped, load=sum(out_splits), weights=weights)
+        return self._outbound(GatherRows.apply(x, token_of, by_row, k), out_splits, in_splits, None, complete,
+                              (gate,), dropped, sum(out_splits))
 
     @staticmethod
     def _splits(*per_rank: torch.Tensor) -> list[list[int]]:
@@ -189,12 +226,10 @@ class AllToAllDispatcher:
         resort, counts = sort_by_key(slot.contiguous(), self.ep * self.n_local, self.kernels)
         return order[resort], counts, dropped
 
-    def _send(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
-              meta: Optional[torch.Tensor] = None):
-        """Token rows (and dedup metadata) to their ranks; under a plan the weights of this rank's
-        slots travel in the same autograd node. Returns (rows, meta or None, slot weights or None)."""
-        if meta is None and self.placement is None:
-            return all_to_all_rows(rows, out_splits, in_splits, self.group, self.counter, "dispatch"), None, None
+    def _outbound(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                  meta: Optional[torch.Tensor], complete, carried: tuple, dropped: int, load: int) -> "Outbound":
+        """Token rows (and dedup metadata) for their ranks; under a plan the weights of this rank's
+        slots travel in the same exchange."""
         specs, tensors = [(out_splits, in_splits, "dispatch")], [rows]
         if meta is not None:
             specs.append((out_splits, in_splits, "dispatch_meta"))
@@ -203,10 +238,14 @@ class AllToAllDispatcher:
         if p is not None:
             specs.append((p.recv_splits, p.send_splits, "expert_weights"))
             tensors.append(self._weight_rows())
-        out = list(_AllToAllGroup.apply_or_trace(tuple(specs), self.group, self.counter, *tensors))
+        return Outbound(tuple(tensors), tuple(specs), carried, complete, dropped, load)
+
+    def _received(self, out, meta: bool):
+        """(rows, meta or None, slot weights or None) from the received tensors of _outbound's exchange."""
+        out = list(out)
         received = out.pop(0)
-        meta = out.pop(0) if meta is not None else None
-        return received, meta, self._slot_weights(out[0]) if p is not None else None
+        meta = out.pop(0) if meta else None
+        return received, meta, self._slot_weights(out[0]) if self.placement is not None else None
 
     def _weight_rows(self) -> torch.Tensor:
         """(sent experts, 3 * H * d): this rank's experts that other ranks' slots need, destination-major."""
@@ -224,17 +263,22 @@ class AllToAllDispatcher:
         idx = self.placement.on(w1.device).slot_index
         return {"gate_up_proj": torch.cat([w1, r1])[idx], "down_proj": torch.cat([w2, r2])[idx]}
 
-    def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
+    def combine_out(self, y: torch.Tensor, d: Dispatched) -> "Outbound":
+        """The expert outputs' rows back to their source ranks; complete(received, carried) -> (N, d)."""
         c = d.ctx
         if isinstance(c, _DedupCtx):
             # y is gated already: sum each received row's local-expert outputs, send one row back
             rows = y.new_zeros(c.n_received, y.shape[-1]).index_add_(0, c.pair_row, y)
-            back = all_to_all_rows(rows, c.in_splits, c.out_splits, self.group, self.counter, "combine")
-            out = back.new_zeros(c.n_tokens, back.shape[-1])
-            return out.index_add_(0, c.tokens, back)
-        back = all_to_all_rows(GatherRows.apply(y, c.unsort, c.regroup, 1), c.in_splits, c.out_splits, self.group,
-                               self.counter, "combine")
-        return CombineRows.apply(back * c.gate[:, None].to(back.dtype), c.token_of, c.by_row, c.n_tokens, c.k)
+
+            def complete(out, carried):
+                return out[0].new_zeros(c.n_tokens, out[0].shape[-1]).index_add_(0, c.tokens, out[0])
+            return Outbound((rows,), ((c.in_splits, c.out_splits, "combine"),), (), complete)
+
+        def complete_gated(out, carried):
+            back, (gate,) = out[0], carried
+            return CombineRows.apply(back * gate[:, None].to(back.dtype), c.token_of, c.by_row, c.n_tokens, c.k)
+        return Outbound((GatherRows.apply(y, c.unsort, c.regroup, 1),), ((c.in_splits, c.out_splits, "combine"),),
+                        (c.gate,), complete_gated)
 
     def _dispatch_dedup(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> Dispatched:
         n, k = topk_idx.shape
@@ -273,19 +317,23 @@ class AllToAllDispatcher:
         meta = torch.cat([gate.float(), local_id.float()], 1)  # ids < 2**24 are exact in fp32
         # (GatherRows: index_select forward, index_add_ backward; a tensor index's backward is an
         # accumulating index_put, 15-25x slower on a CPU)
-        received, rmeta, weights = self._send(GatherRows.apply(x, tokens, None, 1), out_splits, in_splits, meta)
-        # expand: one (received row, local expert) pair per slot that names a local expert, expert-major
-        r_gate, r_id = rmeta[:, :k], rmeta[:, k:].detach().long()
         n_pairs = sum(recv_pairs)
-        pairs = torch.argsort((r_id < 0).reshape(-1).to(torch.uint8), stable=True)[:n_pairs]
-        pair_row, slot = pairs // k, pairs % k
-        pair_expert = r_id[pair_row, slot]
-        sort, counts = sort_by_key(pair_expert.contiguous(), n_local, self.kernels)
-        pair_row, slot = pair_row[sort], slot[sort]
-        ctx = _DedupCtx(tokens, pair_row, in_splits, out_splits, received.shape[0], n)
-        rows = GatherRows.apply(received, pair_row, None, 1)
-        gates = GatherRows.apply(r_gate.reshape(-1), pair_row * k + slot, None, 1)
-        return Dispatched(rows, gates, counts, ctx, dropped, load=n_pairs, weights=weights)
+
+        def complete(out, carried) -> Dispatched:
+            received, rmeta, weights = self._received(out, True)
+            # expand: one (received row, local expert) pair per slot that names a local expert, expert-major
+            r_gate, r_id = rmeta[:, :k], rmeta[:, k:].detach().long()
+            pairs = torch.argsort((r_id < 0).reshape(-1).to(torch.uint8), stable=True)[:n_pairs]
+            pair_row, slot = pairs // k, pairs % k
+            pair_expert = r_id[pair_row, slot]
+            sort, counts = sort_by_key(pair_expert.contiguous(), n_local, self.kernels)
+            pair_row, slot = pair_row[sort], slot[sort]
+            ctx = _DedupCtx(tokens, pair_row, in_splits, out_splits, received.shape[0], n)
+            rows = GatherRows.apply(received, pair_row, None, 1)
+            gates = GatherRows.apply(r_gate.reshape(-1), pair_row * k + slot, None, 1)
+            return Dispatched(rows, gates, counts, ctx, dropped, load=n_pairs, weights=weights)
+        return self._outbound(GatherRows.apply(x, tokens, None, 1), out_splits, in_splits, meta, complete, (),
+                              dropped, n_pairs)
 
 
 def _deepspeed_moe_marker(num_experts: int, ep_size: int, group_name: str, mesh: Mesh) -> nn.Module:

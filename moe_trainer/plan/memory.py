@@ -220,6 +220,11 @@ def gathered_input_bytes(m: ModelConfig, tp: int, sp: bool, sp_regather: bool, b
     return 0.0 if not sp or sp_regather else m.hidden_size * b * (1 - 1 / tp)
 
 
+def overlapped(cfg: Config, micro_batches: int) -> bool:
+    """Whether the overlapped executor runs (parallel.overlap=a2a; it pairs micro-batches at pp = 1)."""
+    return cfg.parallel.overlap == "a2a" and cfg.parallel.pp == 1 and micro_batches > 1
+
+
 def stage_activation_bytes(cfg: Config, partition: Sequence[int], stage: int, micro_batches: int,
                            prec: Precision, sp_regather: bool = False) -> StageActivations:
     """Activation memory of one stage.
@@ -240,6 +245,14 @@ def stage_activation_bytes(cfg: Config, partition: Sequence[int], stage: int, mi
         if stage == len(partition) - 1 else 0.0
     kept = len(blocks) * m.hidden_size * b / (p.tp if sp else 1) * tokens + loss
     flight = in_flight(stage, p.pp, micro_batches, p.virtual_stages)
+    if overlapped(cfg, micro_batches):
+        # parallel.overlap=a2a (parallel/overlap.py): a micro-batch's forward runs beside the previous one's
+        # backward, so one more micro-batch's activations are alive; with full recomputation each of a MoE
+        # layer's three stages keeps its inputs (its checkpoint's): h (counted above); h1, flat and the k
+        # received rows per token (uniform routing); the shared experts' output and the k combined rows
+        flight += 1
+        moe = sum(1 for i in blocks if i < m.num_hidden_layers and is_moe_layer(m, i))
+        kept += moe * (3 + 2 * m.num_experts_per_tok) * m.hidden_size * b * tokens
     working = max(full, default=0.0)
     last = stage == len(partition) - 1
     backward = max(working, loss_backward_bytes(m, p.tp) * tokens if last else 0.0)

@@ -106,7 +106,7 @@ def routed_dispatch(model_cfg, routing: str, seed: int, stats: dict):
     stats: "splits" (sizes drawn) and "zero" (of them zero), added to as the rank runs."""
     from .. import expert
     cls = expert.AllToAllDispatcher
-    base_init, base_dispatch, base_splits = cls.__init__, cls.dispatch, cls._splits
+    base_init, base_dispatch, base_splits = cls.__init__, cls.dispatch_out, cls._splits
     current: list = []
     built = [0]
     cache: dict = {}
@@ -115,7 +115,7 @@ def routed_dispatch(model_cfg, routing: str, seed: int, stats: dict):
         base_init(self, *args, **kwargs)
         self._dry_run_layer, built[0] = built[0], built[0] + 1  # the same order on every rank of a stage
 
-    def dispatch(self, x, topk_idx, topk_weight):
+    def dispatch_out(self, x, topk_idx, topk_weight):  # the blocking dispatch and the overlapped one call it
         self.model_cfg = model_cfg
         current.append((self, *topk_idx.shape))
         try:
@@ -132,8 +132,8 @@ def routed_dispatch(model_cfg, routing: str, seed: int, stats: dict):
         stats["zero"] = stats.get("zero", 0) + sum(1 for x in sizes if x == 0)
         return out
 
-    cls.__init__, cls.dispatch, cls._splits = init, dispatch, staticmethod(splits)
+    cls.__init__, cls.dispatch_out, cls._splits = init, dispatch_out, staticmethod(splits)
     try:
         yield
     finally:
-        cls.__init__, cls.dispatch, cls._splits = base_init, base_dispatch, base_splits
+        cls.__init__, cls.dispatch_out, cls._splits = base_init, base_dispatch, base_splits

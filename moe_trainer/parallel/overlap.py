@@ -1,0 +1,195 @@
+"""The overlapped executor (`parallel.overlap: a2a`): one micro-batch's all-to-alls in flight while
+another micro-batch computes, at pp = 1.
+
+Design: Megatron-Core's "combined 1F1B" (its EP A2A overlap), the pairing DualPipe is built on,
+with the gradient-accumulation micro-batches as the pair. The forward of micro-batch i + 1 runs
+interleaved with the backward of micro-batch i, stage by stage (overlap_model.py cuts a MoE layer
+at its dispatch and combine). Each stage ends by issuing its all-to-all asynchronously
+(a2a_async.issue) and yields; the other micro-batch's next stage runs; the first one's next stage
+starts by waiting for the all-to-all. So each all-to-all, forward or backward, is in flight while
+the other micro-batch computes one stage. Micro-batch 0's forward runs alone (nothing to pair it
+with), so does the last backward: with m micro-batches, m - 1 pairs. At most two micro-batches'
+activations are alive (one more than without overlap, and only while the pair runs).
+
+Why this and not DualPipe: DualPipe pairs the chunks of a bidirectional pipeline and needs pp > 1
+and two copies of the model's stages; at pp = 1 the pair is two micro-batches of the same step,
+which is exactly combined 1F1B, and it keeps the optimizer step and the gradients as they are.
+
+The backward is explicit per stage, in reverse: a stage's outputs (and the tensors it sent) get
+their gradients from the next stage's inputs (and, through the reversed all-to-all, from its
+received rows), and `engine.backward` runs from a scalar whose gradient is those (the pipeline
+executor's backward_surrogate) plus the stage's auxiliary loss / m; the last stage's from the loss.
+Gradients are accumulated into the parameters exactly as one backward per micro-batch would, and the
+engine steps as the pipeline executor makes it step (no backward is the accumulation boundary;
+allreduce_gradients and the last step() after the last backward), so DeepSpeed's optimizer step is
+unchanged. The order of every collective is the schedule's, the same on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..metrics import StepClock
+from .a2a_async import issue
+from .overlap_model import stage_functions
+from .pipeline import _OutputGradient
+
+
+def _leaf(v):
+    """A stage's input: a tensor that needs a gradient is cut from the stage before (a new leaf)."""
+    if isinstance(v, torch.Tensor) and v.requires_grad:
+        return v.detach().requires_grad_()
+    if isinstance(v, tuple):
+        return tuple(_leaf(t) for t in v)
+    return v
+
+
+def _tensors(d: dict):
+    """(key, tensor) of the tensors that need gradients in a stage's inputs or outputs (tuples flattened)."""
+    for k, v in d.items():
+        for i, t in enumerate(v if isinstance(v, tuple) else (v,)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                yield (k, i), t
+
+
+@dataclass
+class _Stage:
+    inputs: dict
+    received: tuple
+    outputs: dict = field(default_factory=dict)
+    sent: tuple = ()
+    specs: tuple = ()
+    aux: Optional[torch.Tensor] = None
+
+
+class OverlapExecutor:
+    """One optimizer step at pp = 1 with the EP all-to-alls overlapped (see the module's docstring)."""
+
+    def __init__(self, engine, model: nn.Module, micro_batches: int, group, counter=None,
+                 clock: Optional[StepClock] = None, recompute: str = "none"):
+        self.engine, self.m, self.group, self.counter = engine, micro_batches, group, counter
+        self.clock = clock or StepClock()
+        self.stages = stage_functions(model, recompute)
+        self.poison = False
+
+    # ------------------------------------------------------------------ one micro-batch
+    def _forward(self, inputs: dict, out: list):
+        """Generator: the stages of one forward; yields with an all-to-all in flight. Appends the
+        stage records to `out`, then the LMOutput."""
+        received = ()
+        for fn in self.stages:
+            st = _Stage({n: _leaf(v) for n, v in inputs.items()}, received)
+            st.outputs, outbound, st.aux = fn(st.inputs, st.received)
+            out.append(st)
+            if outbound is None:
+                break
+            st.sent, st.specs = outbound
+            flights = [issue(t, o, i, self.group, self.counter, kind) for t, (o, i, kind) in zip(st.sent, st.specs)]
+            yield
+            received = tuple(f.wait().requires_grad_(t.requires_grad) for f, t in zip(flights, st.sent))
+            inputs = st.outputs
+        result = out[-1].outputs["out"]
+        if self.poison:
+            result.loss, result.losses["lm"] = result.loss * float("nan"), result.losses["lm"] * float("nan")
+        out.append(result)
+
+    def _backward(self, stages: list):
+        """Generator: the stages' backwards in reverse; yields with a gradient all-to-all in flight."""
+        result = stages.pop()
+        grads: dict = {}  # (key, index) -> gradient of the stage's output
+        sent_grads: tuple = ()
+        self.engine.set_gradient_accumulation_boundary(False)
+        while stages:
+            st = stages.pop()
+            through = {}
+            if "out" in st.outputs:  # the last stage: from the loss (the engine divides by m)
+                self.engine.backward(result.loss)
+            else:
+                inputs = dict(_tensors(st.inputs))
+                terms = []
+                for key, t in _tensors(st.outputs):
+                    g = grads.get(key)
+                    if g is None:
+                        continue
+                    if inputs.get(key) is t:  # handed through unchanged: its gradient passes by
+                        through[key] = g
+                    else:
+                        terms.append(_OutputGradient.apply(t, g))
+                terms += [_OutputGradient.apply(t, g) for t, g in zip(st.sent, sent_grads) if t.requires_grad]
+                if st.aux is not None:
+                    terms.append(st.aux / self.m)
+                if terms:
+                    self.engine.backward(sum(terms[1:], terms[0]), scale_wrt_gas=False)
+            grads = {}
+            for key, t in _tensors(st.inputs):
+                g = t.grad
+                if key in through:
+                    g = through[key] if g is None else g + through[key]
+                grads[key] = g
+            if not st.received:
+                continue
+            # the received rows' gradients go back the way they came: the sending stage's splits, swapped
+            flights = [issue(r.grad if r.grad is not None else torch.zeros_like(r), i, o, self.group, self.counter,
+                             kind + "_grad") for r, (o, i, kind) in zip(st.received, stages[-1].specs)]
+            del st
+            yield
+            sent_grads = tuple(f.wait() for f in flights)
+
+    # ------------------------------------------------------------------ the step
+    def step(self, get_batch: Callable[[int], tuple]) -> tuple[dict, dict]:
+        """Every micro-batch's forward and backward, then the gradient reduction and the optimizer step.
+        Returns (summed detached losses, {"forward": spans, "backward": spans})."""
+        sums: dict = {}
+        spans = {"forward": [], "backward": []}
+        records: list = [None] * self.m
+
+        def forward(i):
+            ids, labels, positions, documents = get_batch(i)
+            records[i] = []
+            return self._timed(self._forward({"input_ids": ids, "labels": labels, "positions": positions,
+                                              "documents": documents}, records[i]), spans["forward"])
+
+        def backward(i):
+            return self._timed(self._backward(records[i]), spans["backward"])
+
+        self._run(forward(0))
+        for i in range(self.m):
+            out = records[i][-1]
+            for k, v in out.losses.items():
+                sums[k] = sums.get(k, 0.0) + v.float()
+            if i + 1 < self.m:
+                self._run(forward(i + 1), backward(i))
+                self.engine.step()  # not the boundary: counts the micro-step
+            else:
+                self._run(backward(i))
+            records[i] = None
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.allreduce_gradients()
+        self.engine.step()
+        return sums, spans
+
+    def _timed(self, gen, spans: list):
+        """gen's resumptions, each timed into `spans` (clock mark pairs)."""
+        while True:
+            t0 = self.clock.mark()
+            try:
+                next(gen)
+            except StopIteration:
+                spans.append((t0, self.clock.mark()))
+                return
+            spans.append((t0, self.clock.mark()))
+            yield
+
+    @staticmethod
+    def _run(*gens) -> None:
+        """Resume the generators in turn (the first, then the second, ...) until all are done."""
+        live = list(gens)
+        while live:
+            for g in list(live):
+                try:
+                    next(g)
+                except StopIteration:
+                    live.remove(g)
