@@ -556,6 +556,8 @@ def load(path: Path, trainer) -> int:
     index = Index(path)
     index.check_fits(full_model_shapes(trainer.cfg.model))  # the whole model's: a rank holds only some of it
     link_optimizer_state(trainer.engine)
+    if getattr(trainer, "slots", None) is not None:
+        trainer.slots.reset_home()  # the rows read are in expert-id order (parallel/slots.py)
     boxes = _boxes(trainer.engine.module)
     with torch.no_grad():
         for name, target in _local_tensors(trainer.engine.module).items():

@@ -167,6 +167,12 @@ class ParallelConfig:
     # expert placement plan (tools/expert_load.py plan): none | <plan JSON> | auto (<run.out_dir>/
     # expert_placement.json when it exists at start or resume, written by `expert_load.py plan --apply`)
     expert_placement: str = "auto"
+    # online re-placement (parallel/slots.py): every N optimizer steps the experts' slots may move between
+    # EP ranks (weights and optimizer state) to balance the load measured since the last placement; 0 = off.
+    # replace_policy: auto (move when the predicted saving over N steps exceeds the move's cost) | always
+    # (whenever the search finds another placement) | rotate (a drill: every expert moves each time)
+    replace_every: int = 0
+    replace_policy: str = "auto"
 
 
 @dataclass
@@ -233,6 +239,7 @@ CHOICES = {
     "parallel.schedule": ("1f1b", "gpipe"),
     "parallel.cpu_alltoall": ("shm", "gloo"),
     "parallel.cpu_p2p": ("shm", "gloo"),
+    "parallel.replace_policy": ("auto", "always", "rotate"),
 }
 
 
@@ -450,6 +457,12 @@ def validate(cfg: Config) -> None:
              f"chunks) must not exceed model.num_hidden_layers ({m.num_hidden_layers}): every chunk needs a layer.")
     _require(p.expert_placement.strip() != "",
              "parallel.expert_placement must be none, auto or the path of a plan JSON, got an empty string.")
+    _require(p.replace_every >= 0, f"parallel.replace_every must be >= 0 (0 = off), got {p.replace_every}.")
+    _require(p.replace_every == 0 or p.ep > 1,
+             f"parallel.replace_every ({p.replace_every}) moves experts between EP ranks; it needs parallel.ep > 1.")
+    _require(p.replace_every == 0 or p.expert_placement in ("none", "auto"),
+             f"parallel.replace_every places the experts itself; set parallel.expert_placement to none, not "
+             f"{p.expert_placement}.")
     if p.pp_partition is not None:
         chunks = p.pp * p.virtual_stages
         _require(len(p.pp_partition) == chunks and all(isinstance(n, int) and n >= 1 for n in p.pp_partition)

@@ -13,6 +13,7 @@ observers.Observers (metrics, TensorBoard, noise scale, expert-load summaries).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -29,6 +30,7 @@ from .config import Config, Layout, TrainConfig
 from .data import DataError, MixtureSource, open_run_data, run_data_dir
 from .data.documents import document_ids, document_positions
 from .expert_load.tracker import ExpertLoadTracker
+from .parallel.slots import Replacer, SlotExperts
 from .init_from import load_initial_weights
 from .guards import Guards, TrainingHalted  # noqa: F401 (TrainingHalted: moe_trainer.train catches it here)
 from .metrics import StepClock, peak_tflops
@@ -138,9 +140,15 @@ class Trainer:
         count_deepspeed_collectives(self.comm, {mesh.group("edp"): "edp", mesh.group("dpcp"): "dp"})
         self.executor = self._build_executor() if self.pipelined else None
         self.expert_load = ExpertLoadTracker(cfg.model, self.model, mesh, device)  # and the bias update
+        self.slots, self.replacer = None, None  # slot-owned experts that move (parallel.replace_every)
+        if cfg.parallel.replace_every:
+            self.slots = SlotExperts(self.expert_load.moe, len(self.expert_load.layer_ids), cfg.model.n_routed_experts,
+                                     mesh)
         self.loss_keys = loss_keys(cfg.model)
         self.step = 0
         self.peak, self.peak_source = peak_tflops(cfg.metrics.peak_tflops, self.dtype, device)
+        if self.slots is not None:
+            self.replacer = Replacer(cfg, self.slots, self.engine, device, self.peak)
         self._stopping = False
         self._term = False
         self.data_offset = 0  # batches skipped by rollbacks: step s trains on sample position s + offset
@@ -230,6 +238,10 @@ class Trainer:
             progress(self.step, "losses, logging and evaluation")
             if self.guards.after_step(record):  # bit flips, the NaN policy, the spike guard
                 continue  # rolled back: the step counter is the checkpoint's now
+            if self.replacer is not None:  # a step boundary: the experts may move (collective)
+                event = self.replacer.after_step(self.step, record["expert"])
+                if event is not None:
+                    self.observers.event(self.step, event)
             self._stopping = self.any_rank(self._term) or self.step == t.stop_at_step
             if self.step % t.log_every == 0 or self.step == t.max_steps or record["skipped"]:
                 last = self.log(record)
@@ -252,7 +264,8 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """checkpoint.save (collective), and one console line from rank 0: step, path, size, seconds."""
         started = time.perf_counter()
-        path = checkpoint.save(self)
+        with self.slots.at_home(self.engine) if self.slots is not None else contextlib.nullcontext():
+            path = checkpoint.save(self)  # keyed by expert id: every expert in its home slot
         if path is not None:
             files = json.loads((path / checkpoint.MANIFEST).read_text())["files"]
             size = sum(f["bytes"] for f in files.values())

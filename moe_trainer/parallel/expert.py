@@ -32,6 +32,9 @@ computes what the unplaced model computes (up to float rounding). Cost per
 micro-batch and MoE layer: each rank receives its foreign experts' weights once
 (however many of their replicas it hosts) and sends as many gradient rows back,
 and holds its S slots' weights until backward.
+With slot-owned experts (`parallel.replace_every`, slots.py) the placement is
+`owned`: each of a rank's S = E / ep slots IS a row of its expert parameters,
+so tokens are routed to slots the same way and nothing is fetched.
 Token rows, dedup metadata and expert weights travel as ONE autograd node
 (`_AllToAllGroup`), so backward enters the collectives in the same order on
 every rank.
@@ -193,13 +196,13 @@ class AllToAllDispatcher:
               meta: Optional[torch.Tensor] = None):
         """Token rows (and dedup metadata) to their ranks; under a plan the weights of this rank's
         slots travel in the same autograd node. Returns (rows, meta or None, slot weights or None)."""
-        if meta is None and self.placement is None:
+        p = self.placement if self.placement is not None and not self.placement.owned else None  # fetch?
+        if meta is None and p is None:
             return all_to_all_rows(rows, out_splits, in_splits, self.group, self.counter, "dispatch"), None, None
         specs, tensors = [(out_splits, in_splits, "dispatch")], [rows]
         if meta is not None:
             specs.append((out_splits, in_splits, "dispatch_meta"))
             tensors.append(meta)
-        p = self.placement
         if p is not None:
             specs.append((p.recv_splits, p.send_splits, "expert_weights"))
             tensors.append(self._weight_rows())

@@ -79,6 +79,9 @@ class LayerPlacement:
     recv_splits: list[int]  # rows received from each EP rank
     slot_index: torch.Tensor  # (S,) row of [local experts; received experts] each of my slots computes with
     gpu_to_rank: list[int]  # plan GPU g is hosted by EP rank gpu_to_rank[g]
+    # slot-owned experts (parallel/slots.py): slot s of this rank is row s of its expert parameters, so
+    # no weights are fetched (send/recv splits are zeros, slot_index the identity)
+    owned: bool = False
 
     @property
     def n_slots(self) -> int:
