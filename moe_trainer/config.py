@@ -207,6 +207,10 @@ class DebugConfig:
     # faults injected on purpose (faults.py), each fired once per run directory: KIND@STEP[:RANK] with KIND
     # bitflip | spike | hang | slow | kill | nan, e.g. [bitflip@3:1, spike@9]
     faults: list = field(default_factory=list)
+    # skewed routing on purpose (re-placement tests and scripts/bench_replace.sh): every MoE layer's balancing
+    # biases start at route_skew * (1 - 2 e / (E - 1)) (expert 0 favoured most), not 0; with
+    # model.bias_update_speed=0 they stay. 0 = off
+    route_skew: float = 0.0
 
 
 @dataclass

@@ -31,12 +31,13 @@ from .data import DataError, MixtureSource, open_run_data, run_data_dir
 from .data.documents import document_ids, document_positions
 from .expert_load.tracker import ExpertLoadTracker
 from .parallel.slots import Replacer, SlotExperts
+from .moe.balance import skewed_biases
 from .init_from import load_initial_weights
 from .guards import Guards, TrainingHalted  # noqa: F401 (TrainingHalted: moe_trainer.train catches it here)
 from .metrics import StepClock, peak_tflops
 from .models.init import materialize
 from .compile import compile_regions
-from .models.registry import build_model
+from .models.registry import build_model, moe_layers
 from .observers import Observers
 from .parallel.comm import (CommCounter, all_reduce_small, count_deepspeed_collectives, enable_shm_transport,
                             route_deepspeed_collectives)
@@ -118,6 +119,9 @@ class Trainer:
         if self.pipelined:
             self.model = build_stage(self.model, cfg, mesh.coord["pp"], t.seq_len)
         materialize(self.model, cfg.run.seed, cfg.model.initializer_range)
+        if cfg.debug.route_skew:  # skewed routing on purpose (a resume reads the biases saved instead)
+            for _, layer in moe_layers(self.model):
+                layer.gate.e_score_correction_bias.copy_(skewed_biases(cfg.model.n_routed_experts, cfg.debug.route_skew))
         # decided once, before any weights are read: a resume never reads train.init_from (at 671B a
         # whole Hugging Face checkpoint, which may be gone by then); init_from is read when no
         # checkpoint is usable, auto-resume's fallback past damaged ones included

@@ -78,3 +78,23 @@ def test_moving_experts_equal_the_unmoved_run_through_resume(tmp_path, moe_refer
     assert [r["step"] for r in events] == [1, 2, 3, 4, 5] and all(r["decision"] == "apply" for r in events)
     # rows really crossed ranks (had the tables changed without them, the losses would differ)
     assert all(r["moved_bytes_rank"] > 0 and r["moved_experts"] > 0 for r in events)
+
+
+def test_replacement_balances_skewed_routing(tmp_path):
+    """Balancing biases skewed on purpose (debug.route_skew, updates off): at home every token goes to the
+    experts of EP rank 0 (its share 2x the mean). The search on steps 1-2's load moves half of them
+    (decided on the cost rule, written to metrics.jsonl) and the measured share falls to <= 1.10x;
+    at step 4 the search finds nothing better and keeps the placement."""
+    out = tmp_path / "skew"
+    check(launch(2, out, TINY + ["train.max_steps=4", "parallel.ep=2", "debug.route_skew=0.3",
+                                 "model.bias_update_speed=0", "parallel.replace_every=2"]))
+    rows = read_metrics(out)
+    share = {r["step"]: r["expert.rank_max_over_mean"] for r in rows if "loss" in r}
+    assert share[1] > 1.5 and share[2] > 1.5, share
+    assert share[3] <= 1.10 and share[4] <= 1.10, share
+    first, second = (r for r in rows if r.get("event") == "replace")
+    assert first["step"] == 2 and first["decision"] == "apply" and "exceeds the move's" in first["reason"]
+    assert first["moved_bytes"] > 0 and first["moved_bytes_rank"] > 0 and first["wall_s"] > 0
+    assert first["measured_rank_max_over_mean"] == pytest.approx(share[1] / 2 + share[2] / 2, rel=0.05)
+    assert first["predicted_rank_max_over_mean_after"] <= 1.10 < first["predicted_rank_max_over_mean_before"]
+    assert second["step"] == 4 and second["decision"] == "keep" and second["moved_bytes_rank"] == 0
