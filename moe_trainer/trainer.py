@@ -13,7 +13,6 @@ observers.Observers (metrics, TensorBoard, noise scale, expert-load summaries).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import signal
@@ -268,8 +267,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """checkpoint.save (collective), and one console line from rank 0: step, path, size, seconds."""
         started = time.perf_counter()
-        with self.slots.at_home(self.engine) if self.slots is not None else contextlib.nullcontext():
-            path = checkpoint.save(self)  # keyed by expert id: every expert in its home slot
+        path = checkpoint.save(self)
         if path is not None:
             files = json.loads((path / checkpoint.MANIFEST).read_text())["files"]
             size = sum(f["bytes"] for f in files.values())

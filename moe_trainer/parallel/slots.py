@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..moe.placement import rebalance_experts, replica_candidates
+from ..moe.placement import rebalance_experts
 from .comm import all_to_all_rows
 from .replicas import LayerPlacement
 
@@ -53,11 +53,14 @@ def home_row(n_experts: int) -> list[int]:
 def owned_placement(row: list[int], ep: int, rank: int) -> LayerPlacement:
     """The dispatcher's tables for slot-owned experts: expert row[q] in slot q, no weight fetched."""
     n = len(row)
-    s = n // ep
-    phy2log = torch.tensor(row, dtype=torch.int64)
-    cand, count = replica_candidates(phy2log, rank, s, n)
-    return LayerPlacement(phy2log, s, rank, cand, count, torch.zeros(0, dtype=torch.int64), [0] * ep, [0] * ep,
-                          torch.arange(s), list(range(ep)), owned=True)
+    slot_of = [0] * n
+    for q, e in enumerate(row):
+        slot_of[e] = q
+    # one candidate per expert, its slot (what replica_candidates gives a permutation, built on the host)
+    cand, count = torch.tensor(slot_of, dtype=torch.int64)[:, None], torch.ones(n, dtype=torch.int64)
+    return LayerPlacement(torch.tensor(row, dtype=torch.int64), n // ep, rank, cand, count,
+                          torch.zeros(0, dtype=torch.int64), [0] * ep, [0] * ep, torch.arange(n // ep),
+                          list(range(ep)), owned=True)
 
 
 def moves(old: list[int], new: list[int], ep: int, rank: int):
@@ -259,25 +262,31 @@ class Replacer:
             return None
         t0 = time.perf_counter()
         is_root = not dist.is_initialized() or dist.get_rank() == 0
-        new, row = (self._decide(step) if is_root else (None, {}))
+        new, row = (self._decide() if is_root else (None, {}))
         apply = self._broadcast(new)
         moved = self.slots.apply(apply, self.engine) if apply is not None else 0
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # the wall time of the moves, not of their launch
             torch.cuda.synchronize(self.device)
         row.update(moved_bytes_rank=moved, wall_s=round(time.perf_counter() - t0, 6))
         self._reset()
         return row
 
-    def _decide(self, step: int) -> tuple[Optional[list[list[int]]], dict]:
+    def _host_load(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The interval's (layers, E) expert load and (layers, ep) measured rows per EP rank, on the host
+        (update_bias copied them there: no read here; the dry run draws them instead)."""
+        return self.load, self.rank_rows
+
+    def _decide(self) -> tuple[Optional[list[list[int]]], dict]:
         cur = self.slots.rows
+        load, rank_rows = self._host_load()
         if self.policy == "rotate":  # the drill: every expert moves to the next rank and slot
             s = self.n_experts // self.ep
             new = [[r[(q - s - 1) % len(r)] for q in range(len(r))] for r in cur]
         else:
-            plan = rebalance_experts(self.load, self.n_experts, 1, 1, self.ep)[0].tolist()
+            plan = rebalance_experts(load, self.n_experts, 1, 1, self.ep)[0].tolist()
             new = [keep_in_place(p, c, self.ep) for p, c in zip(plan, cur)]
-        before = [rank_loads(self.load[i], cur[i], self.ep) for i in range(self.n_layers)]
-        after = [rank_loads(self.load[i], new[i], self.ep) for i in range(self.n_layers)]
+        before = [rank_loads(load[i], cur[i], self.ep) for i in range(self.n_layers)]
+        after = [rank_loads(load[i], new[i], self.ep) for i in range(self.n_layers)]
         steps = max(1, self.steps)
         # rows of the busiest EP rank per step and device (the edp replicas split a rank's rows)
         saved_rows = sum(float(b.max() - a.max()) for b, a in zip(before, after)) / steps / self.edp
@@ -295,7 +304,7 @@ class Replacer:
         else:
             decision, reason = "keep", (f"predicted saving {saving_s:.3g} s over {self.every} steps does not "
                                         f"exceed the move's {cost_s:.3g} s")
-        measured = [self.rank_rows[i] for i in range(self.n_layers)]
+        measured = [rank_rows[i] for i in range(self.n_layers)]
         row = {"event": "replace", "decision": decision, "reason": reason, "steps_counted": self.steps,
                "moved_experts": sum(per_rank) if decision == "apply" else 0,
                "moved_bytes": moved_bytes if decision == "apply" else 0,
@@ -314,6 +323,10 @@ class Replacer:
             buf[0] = 1
             buf[1:] = torch.tensor(new, dtype=torch.int64).flatten().to(self.device)
         dist.broadcast(buf, src=0)
+        return self._rows_from(buf)
+
+    def _rows_from(self, buf: torch.Tensor) -> Optional[list[list[int]]]:
+        """The broadcast decision on the host: rows to apply, or None."""
         flat = buf.cpu().tolist()  # host sync, once per decision
         if not flat[0]:
             return None
