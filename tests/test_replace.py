@@ -63,8 +63,8 @@ def test_bad_replace_settings_give_one_sentence(sets, needle):
 def test_moving_experts_equal_the_unmoved_run_through_resume(tmp_path, moe_reference):
     """pp 2 x ep 2 (world 4) moves every expert of both stages after steps 1, 2 and 3 (steps 2 and 3 run
     on moved experts), saves at step 3 after the third move, and resumes at ep 4 (world 4), moving after
-    steps 4 and 5: loss and grad norm at every step equal the 1-rank run's (fp32, 1e-5), and so do the
-    final weights (saved under expert ids after a move)."""
+    step 4 (none after the last step): loss and grad norm at every step equal the 1-rank run's (fp32,
+    1e-5), and so do the final weights (saved under expert ids after a move)."""
     out = tmp_path / "run"
     drill = ["parallel.replace_every=1", "parallel.replace_policy=rotate", "train.dtype=fp32", "train.resume=auto"]
     check(launch(4, out, TINY + MOE_STEPS + drill + ["parallel.ep=2", "parallel.pp=2", "train.stop_at_step=3"],
@@ -75,7 +75,7 @@ def test_moving_experts_equal_the_unmoved_run_through_resume(tmp_path, moe_refer
     assert_same_final_weights(moe_reference, out)
     rows = read_metrics(out)
     events = [r for r in rows if r.get("event") == "replace"]
-    assert [r["step"] for r in events] == [1, 2, 3, 4, 5] and all(r["decision"] == "apply" for r in events)
+    assert [r["step"] for r in events] == [1, 2, 3, 4] and all(r["decision"] == "apply" for r in events)
     # rows really crossed ranks (had the tables changed without them, the losses would differ)
     assert all(r["moved_bytes_rank"] > 0 and r["moved_experts"] > 0 for r in events)
 
@@ -84,14 +84,14 @@ def test_replacement_balances_skewed_routing(tmp_path):
     """Balancing biases skewed on purpose (debug.route_skew, updates off): at home every token goes to the
     experts of EP rank 0 (its share 2x the mean). The search on steps 1-2's load moves half of them
     (decided on the cost rule, written to metrics.jsonl) and the measured share falls to <= 1.10x;
-    at step 4 the search finds nothing better and keeps the placement."""
+    at step 4 the search finds nothing worth the move and keeps the placement (none after the last step)."""
     out = tmp_path / "skew"
-    check(launch(2, out, TINY + ["train.max_steps=4", "parallel.ep=2", "debug.route_skew=0.3",
+    check(launch(2, out, TINY + ["train.max_steps=5", "parallel.ep=2", "debug.route_skew=0.3",
                                  "model.bias_update_speed=0", "parallel.replace_every=2"]))
     rows = read_metrics(out)
     share = {r["step"]: r["expert.rank_max_over_mean"] for r in rows if "loss" in r}
     assert share[1] > 1.5 and share[2] > 1.5, share
-    assert share[3] <= 1.10 and share[4] <= 1.10, share
+    assert max(share[3], share[4], share[5]) <= 1.10, share
     first, second = (r for r in rows if r.get("event") == "replace")
     assert first["step"] == 2 and first["decision"] == "apply" and "exceeds the move's" in first["reason"]
     assert first["moved_bytes"] > 0 and first["moved_bytes_rank"] > 0 and first["wall_s"] > 0

@@ -25,7 +25,8 @@ Checkpoints stay keyed by expert id: a save moves every expert home first and ba
 placement (moe.placement.rebalance_experts with no redundant slot, every MoE layer), relabels the
 plan's ranks to keep as many experts in place as possible, predicts the saving (rows of the busiest
 EP rank per step x the steps until the next decision x the time of one expert row at the rank's
-peak rate) and the cost (bytes the busiest sender moves at the planner's NVLink rate), decides,
+peak rate) and the cost (bytes the busiest sender moves at the planner's NVLink rate, or the wall time the last move took if
+longer), decides,
 and broadcasts the decision and the rows to every rank (one tensor from rank 0: the same decision
 everywhere, no hang). metrics.jsonl gets an `event: replace` row.
 """
@@ -234,7 +235,8 @@ class Replacer:
         from ..plan.nodes import Links
         self.slots, self.engine, self.device = slots, engine, device
         p, m = cfg.parallel, cfg.model
-        self.every, self.policy = p.replace_every, p.replace_policy
+        self.every, self.policy, self.max_steps = p.replace_every, p.replace_policy, cfg.train.max_steps
+        self.last_wall = 0.0  # wall time of the last move applied (rank 0): the cost's floor
         self.n_layers, self.n_experts, self.ep = len(slots.rows), m.n_routed_experts, slots.ep
         self.edp = max(1, slots.mesh.size("edp"))
         expert_numel = 3 * m.hidden_size * m.moe_intermediate_size
@@ -258,7 +260,7 @@ class Replacer:
         self.load += expert["counts"].double()
         self.rank_rows += expert["rank_rows"].double()
         self.steps += 1
-        if step % self.every:
+        if step % self.every or step >= self.max_steps:  # (after the last step nothing would gain)
             return None
         t0 = time.perf_counter()
         is_root = not dist.is_initialized() or dist.get_rank() == 0
@@ -267,7 +269,10 @@ class Replacer:
         moved = self.slots.apply(apply, self.engine) if apply is not None else 0
         if self.device.type == "cuda":  # the wall time of the moves, not of their launch
             torch.cuda.synchronize(self.device)
-        row.update(moved_bytes_rank=moved, wall_s=round(time.perf_counter() - t0, 6))
+        wall = time.perf_counter() - t0
+        if apply is not None:
+            self.last_wall = wall
+        row.update(moved_bytes_rank=moved, wall_s=round(wall, 6))
         self._reset()
         return row
 
@@ -293,7 +298,9 @@ class Replacer:
         saving_s = saved_rows * self.row_seconds * self.every
         per_rank = [sum(col) for col in zip(*(moved_experts(c, n, self.ep) for c, n in zip(cur, new)))]
         moved_bytes = sum(per_rank) * self.expert_bytes
-        cost_s = max(per_rank) * self.expert_bytes / self.link_bytes_s
+        # at the planner's link rate, or what the last move measured if more (on CPU ranks the copies and
+        # the optimizer state's edp all-reduces, not the link, set the pace)
+        cost_s = max(max(per_rank) * self.expert_bytes / self.link_bytes_s, self.last_wall)
         if new == cur:
             decision, reason = "keep", "the search finds the current placement"
         elif self.policy in ("always", "rotate"):
