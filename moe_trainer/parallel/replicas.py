@@ -12,6 +12,10 @@ EP ranks so that most slots hold an expert whose weights are already on that
 rank, and derives what each rank must fetch: `LayerPlacement`. The dispatcher
 (parallel/expert.py) uses it to route tokens to physical slots and to fetch the
 weights of its slots' foreign experts every forward.
+
+This fetching mode is the one with redundant slots. Without them, `parallel.replace_every`
+(slots.py) makes the experts own their slots instead: a placement then moves weights and optimizer
+state between ranks at a step boundary, and nothing is fetched per forward.
 """
 from __future__ import annotations
 
