@@ -8,8 +8,8 @@ biases, load counts, checkpoints); the dispatcher maps ids to slots (an `owned` 
 no weights are fetched per forward: expert.py).
 
 Applying a new placement, at a step boundary, exchanges slot contents between the EP ranks of each
-EP group with one all_to_all_single of stacked rows (uneven splits, the same call on every rank of
-the group, rows in slot order on both sides): per slot that changes rank, its model weights (bf16
+EP group with one all_to_all_single of stacked rows per changed MoE layer (uneven splits, the same
+call on every rank of the group, rows in slot order on both sides): per slot that changes rank, its model weights (bf16
 or fp32), its fp32 master weights and its Adam exp_avg / exp_avg_sq. The optimizer state lives in
 ZeRO-1's flat fp32 partitions, sharded over the expert-data-parallel group: a parameter's fragment
 is reassembled whole with DeepSpeed's safe_get_full_* (one all-reduce over edp per tensor; a no-op
@@ -140,10 +140,6 @@ class SlotExperts:
         self.n_experts = n_experts
         self.rows = [home_row(n_experts) for _ in range(n_layers)]
 
-    @property
-    def at_home_now(self) -> bool:
-        return all(r == home_row(self.n_experts) for r in self.rows)
-
     def set_tables(self, rows: list[list[int]]) -> None:
         """The dispatchers route by `rows` (no contents move): home is the plain dispatcher path."""
         self.rows = [list(r) for r in rows]
@@ -156,49 +152,40 @@ class SlotExperts:
 
     @torch.no_grad()
     def apply(self, rows: list[list[int]], engine) -> int:
-        """Move every slot's contents to placement `rows` (collective over each EP group and, for the
-        optimizer state, each edp group). Returns the bytes this rank sent."""
-        from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
-                                     safe_set_full_optimizer_state)
+        """Move every slot's contents to placement `rows`, one MoE layer at a time (its whole state is held
+        in fp32 for the move, one layer's at a time): per changed layer one all-to-all over the EP group
+        and, for the optimizer state, all-reduces over the edp group. Returns the bytes this rank sent."""
         from ..checkpoint import link_optimizer_state
         link_optimizer_state(engine)  # the moments exist (zeros before the first step)
-        ep, sent_bytes = self.ep, 0
-        blocks, plans = [], []
+        sent = 0
         for i, layer in self.layers:
-            if rows[i] == self.rows[i]:
-                continue
-            params = [layer.experts.gate_up_proj, layer.experts.down_proj]
-            full = []  # per param: its STATES, each (S, ...) fp32, whole
-            for p in params:
-                full.append([p.detach().float(), safe_get_full_fp32_param(p),
-                             safe_get_full_optimizer_state(p, "exp_avg"),
-                             safe_get_full_optimizer_state(p, "exp_avg_sq")])
-            s = params[0].shape[0]
-            block = torch.cat([t.reshape(s, -1) for states in full for t in states], 1)  # (S, row width)
-            blocks.append((i, layer, params, full, block))
-            plans.append(moves(self.rows[i], rows[i], ep, self.rank))
-        if blocks:
-            # to each rank: layer-major, then ascending destination slot (moves' order)
-            send_rows = [torch.cat([b[4][torch.tensor(send[d], dtype=torch.int64)] for b, (send, _, _)
-                                    in zip(blocks, plans)]) for d in range(ep)]
-            in_splits = [int(t.shape[0]) for t in send_rows]
-            out_splits = [sum(len(recv[src]) for _, recv, _ in plans) for src in range(ep)]
-            received = all_to_all_rows(torch.cat(send_rows), out_splits, in_splits, self.mesh.group("ep"))
-            sent_bytes = sum(in_splits) * blocks[0][4].shape[1] * 4
-            # received rows: source-major, then layer, then ascending destination slot (moves' order)
-            at = [sum(out_splits[:src]) for src in range(ep)]
-            for (_, _, params, full, block), (_, recv, keep) in zip(blocks, plans):
-                new = block.clone()
-                for a, b in keep:
-                    new[b] = block[a]
-                for src in range(ep):
-                    n = len(recv[src])
-                    if n:
-                        new[torch.tensor(recv[src], dtype=torch.int64)] = received[at[src]:at[src] + n]
-                        at[src] += n
-                self._write(new, params, full, safe_set_full_fp32_param, safe_set_full_optimizer_state)
+            if rows[i] != self.rows[i]:  # the same layers on every rank of the EP and edp groups
+                sent += self._move_layer(layer, moves(self.rows[i], rows[i], self.ep, self.rank))
         self.set_tables(rows)
-        return sent_bytes
+        return sent
+
+    def _move_layer(self, layer, plan) -> int:
+        from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
+                                     safe_set_full_optimizer_state)
+        send, recv, keep = plan
+        params = [layer.experts.gate_up_proj, layer.experts.down_proj]
+        full = [[p.detach().float(), safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "exp_avg"),
+                 safe_get_full_optimizer_state(p, "exp_avg_sq")] for p in params]  # per param: STATES, whole
+        s = params[0].shape[0]
+        block = torch.cat([t.reshape(s, -1) for states in full for t in states], 1)  # (S, row width) fp32
+        index = lambda slots: torch.tensor(slots, dtype=torch.int64, device=block.device)  # noqa: E731
+        # rows to each rank in ascending destination slot; from each rank in the same order (moves)
+        rows = torch.cat([block[index(send[d])] for d in range(self.ep)])
+        in_splits, out_splits = [len(x) for x in send], [len(x) for x in recv]
+        received = all_to_all_rows(rows, out_splits, in_splits, self.mesh.group("ep"))
+        new = block.clone()
+        if keep:
+            new[index([b for _, b in keep])] = block[index([a for a, _ in keep])]
+        mine = [q for src in range(self.ep) for q in recv[src]]
+        if mine:
+            new[index(mine)] = received
+        self._write(new, params, full, safe_set_full_fp32_param, safe_set_full_optimizer_state)
+        return rows.numel() * rows.element_size()
 
     @staticmethod
     def _write(new: torch.Tensor, params, full, set_fp32, set_state) -> None:
