@@ -25,6 +25,7 @@ readers (the index, the box arithmetic and the manifest checks must change toget
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -132,7 +133,14 @@ def adam_step(engine) -> int:
 # ----------------------------------------------------------------------------- save
 
 def save(trainer) -> Optional[Path]:
-    """Write checkpoints/step_<N> (collective): every rank its own part, in parallel."""
+    """Write checkpoints/step_<N> (collective): every rank its own part, in parallel. Slot-owned experts
+    that moved (parallel/slots.py) go home for it and back after, so the names stay expert ids."""
+    slots = getattr(trainer, "slots", None)
+    with slots.at_home(trainer.engine) if slots is not None else contextlib.nullcontext():
+        return _save(trainer)
+
+
+def _save(trainer) -> Optional[Path]:
     root = trainer.out_dir / "checkpoints"
     final = root / f"step_{trainer.step}"
     tmp = root / f".step_{trainer.step}.tmp"
@@ -556,6 +564,8 @@ def load(path: Path, trainer) -> int:
     index = Index(path)
     index.check_fits(full_model_shapes(trainer.cfg.model))  # the whole model's: a rank holds only some of it
     link_optimizer_state(trainer.engine)
+    if getattr(trainer, "slots", None) is not None:
+        trainer.slots.reset_home()  # the rows read are in expert-id order (parallel/slots.py)
     boxes = _boxes(trainer.engine.module)
     with torch.no_grad():
         for name, target in _local_tensors(trainer.engine.module).items():

@@ -170,6 +170,12 @@ class ParallelConfig:
     # a2a: the expert all-to-alls of one micro-batch in flight while another computes (parallel/overlap.py;
     # deepseek_v3, ep > 1, pp = tp = cp = 1, not compiled); none: every all-to-all waited for where it is issued
     overlap: str = "none"
+    # online re-placement (parallel/slots.py): every N optimizer steps the experts' slots may move between
+    # EP ranks (weights and optimizer state) to balance the load measured since the last placement; 0 = off.
+    # replace_policy: auto (move when the predicted saving over N steps exceeds the move's cost) | always
+    # (whenever the search finds another placement) | rotate (a drill: every expert moves each time)
+    replace_every: int = 0
+    replace_policy: str = "auto"
 
 
 @dataclass
@@ -208,6 +214,10 @@ class DebugConfig:
     # than link_latency_us + bytes / link_gbps after it was issued; 0 = off
     link_gbps: float = 0.0
     link_latency_us: float = 0.0
+    # skewed routing on purpose (re-placement tests and scripts/bench_replace.sh): every MoE layer's balancing
+    # biases start at route_skew * (1 - 2 e / (E - 1)) (expert 0 favoured most), not 0; with
+    # model.bias_update_speed=0 they stay. 0 = off
+    route_skew: float = 0.0
 
 
 @dataclass
@@ -241,6 +251,7 @@ CHOICES = {
     "parallel.cpu_alltoall": ("shm", "gloo"),
     "parallel.cpu_p2p": ("shm", "gloo"),
     "parallel.overlap": ("none", "a2a"),
+    "parallel.replace_policy": ("auto", "always", "rotate"),
 }
 
 
@@ -458,6 +469,12 @@ def validate(cfg: Config) -> None:
              f"chunks) must not exceed model.num_hidden_layers ({m.num_hidden_layers}): every chunk needs a layer.")
     _require(p.expert_placement.strip() != "",
              "parallel.expert_placement must be none, auto or the path of a plan JSON, got an empty string.")
+    _require(p.replace_every >= 0, f"parallel.replace_every must be >= 0 (0 = off), got {p.replace_every}.")
+    _require(p.replace_every == 0 or p.ep > 1,
+             f"parallel.replace_every ({p.replace_every}) moves experts between EP ranks; it needs parallel.ep > 1.")
+    _require(p.replace_every == 0 or p.expert_placement in ("none", "auto"),
+             f"parallel.replace_every places the experts itself; set parallel.expert_placement to none, not "
+             f"{p.expert_placement}.")
     if p.pp_partition is not None:
         chunks = p.pp * p.virtual_stages
         _require(len(p.pp_partition) == chunks and all(isinstance(n, int) and n >= 1 for n in p.pp_partition)

@@ -29,12 +29,14 @@ from .config import Config, Layout, TrainConfig
 from .data import DataError, MixtureSource, open_run_data, run_data_dir
 from .data.documents import document_ids, document_positions
 from .expert_load.tracker import ExpertLoadTracker
+from .parallel.slots import Replacer, SlotExperts
+from .moe.balance import skewed_biases
 from .init_from import load_initial_weights
 from .guards import Guards, TrainingHalted  # noqa: F401 (TrainingHalted: moe_trainer.train catches it here)
 from .metrics import StepClock, peak_tflops
 from .models.init import materialize
 from .compile import compile_regions
-from .models.registry import build_model
+from .models.registry import build_model, moe_layers
 from .observers import Observers
 from .parallel.comm import (CommCounter, all_reduce_small, count_deepspeed_collectives, enable_shm_transport,
                             route_deepspeed_collectives)
@@ -118,6 +120,9 @@ class Trainer:
         if self.pipelined:
             self.model = build_stage(self.model, cfg, mesh.coord["pp"], t.seq_len)
         materialize(self.model, cfg.run.seed, cfg.model.initializer_range)
+        if cfg.debug.route_skew:  # skewed routing on purpose (a resume reads the biases saved instead)
+            for _, layer in moe_layers(self.model):
+                layer.gate.e_score_correction_bias.copy_(skewed_biases(cfg.model.n_routed_experts, cfg.debug.route_skew))
         # decided once, before any weights are read: a resume never reads train.init_from (at 671B a
         # whole Hugging Face checkpoint, which may be gone by then); init_from is read when no
         # checkpoint is usable, auto-resume's fallback past damaged ones included
@@ -145,9 +150,15 @@ class Trainer:
                                        self.comm, self.clock, cfg.parallel.recompute) \
             if cfg.parallel.overlap == "a2a" else None
         self.expert_load = ExpertLoadTracker(cfg.model, self.model, mesh, device)  # and the bias update
+        self.slots, self.replacer = None, None  # slot-owned experts that move (parallel.replace_every)
+        if cfg.parallel.replace_every:
+            self.slots = SlotExperts(self.expert_load.moe, len(self.expert_load.layer_ids), cfg.model.n_routed_experts,
+                                     mesh)
         self.loss_keys = loss_keys(cfg.model)
         self.step = 0
         self.peak, self.peak_source = peak_tflops(cfg.metrics.peak_tflops, self.dtype, device)
+        if self.slots is not None:
+            self.replacer = Replacer(cfg, self.slots, self.engine, device, self.peak)
         self._stopping = False
         self._term = False
         self.data_offset = 0  # batches skipped by rollbacks: step s trains on sample position s + offset
@@ -237,6 +248,10 @@ class Trainer:
             progress(self.step, "losses, logging and evaluation")
             if self.guards.after_step(record):  # bit flips, the NaN policy, the spike guard
                 continue  # rolled back: the step counter is the checkpoint's now
+            if self.replacer is not None:  # a step boundary: the experts may move (collective)
+                event = self.replacer.after_step(self.step, record["expert"])
+                if event is not None:
+                    self.observers.event(self.step, event)
             self._stopping = self.any_rank(self._term) or self.step == t.stop_at_step
             if self.step % t.log_every == 0 or self.step == t.max_steps or record["skipped"]:
                 last = self.log(record)

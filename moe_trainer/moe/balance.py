@@ -16,6 +16,11 @@ def update_bias(bias: torch.Tensor, counts: torch.Tensor, speed: float) -> torch
     return bias
 
 
+def skewed_biases(n_experts: int, skew: float) -> torch.Tensor:
+    """(E,) biases falling evenly from +skew (expert 0) to -skew (expert E - 1): debug.route_skew."""
+    return skew * (1 - 2 * torch.arange(n_experts, dtype=torch.float32) / max(1, n_experts - 1))
+
+
 def sequence_balance_loss(scores: torch.Tensor, topk_idx: torch.Tensor, batch: int, top_k: int) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss sum_i f_i * P_i, averaged over sequences.
 

@@ -32,6 +32,9 @@ computes what the unplaced model computes (up to float rounding). Cost per
 micro-batch and MoE layer: each rank receives its foreign experts' weights once
 (however many of their replicas it hosts) and sends as many gradient rows back,
 and holds its S slots' weights until backward.
+With slot-owned experts (`parallel.replace_every`, slots.py) the placement is
+`owned`: each of a rank's S = E / ep slots IS a row of its expert parameters,
+so tokens are routed to slots the same way and nothing is fetched.
 Token rows, dedup metadata and expert weights travel as ONE autograd node
 (`_AllToAllGroup`), so backward enters the collectives in the same order on
 every rank.
@@ -226,15 +229,20 @@ class AllToAllDispatcher:
         resort, counts = sort_by_key(slot.contiguous(), self.ep * self.n_local, self.kernels)
         return order[resort], counts, dropped
 
+    def _fetched(self) -> Optional[LayerPlacement]:
+        """The placement whose foreign experts' weights this rank fetches every forward; None without a
+        plan and for slot-owned experts (parallel.replace_every), whose slots are their own parameters."""
+        return self.placement if self.placement is not None and not self.placement.owned else None
+
     def _outbound(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
                   meta: Optional[torch.Tensor], complete, carried: tuple, dropped: int, load: int) -> "Outbound":
-        """Token rows (and dedup metadata) for their ranks; under a plan the weights of this rank's
-        slots travel in the same exchange."""
+        """Token rows (and dedup metadata) for their ranks; under a fetching plan the weights of this
+        rank's slots travel in the same exchange."""
+        p = self._fetched()
         specs, tensors = [(out_splits, in_splits, "dispatch")], [rows]
         if meta is not None:
             specs.append((out_splits, in_splits, "dispatch_meta"))
             tensors.append(meta)
-        p = self.placement
         if p is not None:
             specs.append((p.recv_splits, p.send_splits, "expert_weights"))
             tensors.append(self._weight_rows())
@@ -245,7 +253,7 @@ class AllToAllDispatcher:
         out = list(out)
         received = out.pop(0)
         meta = out.pop(0) if meta else None
-        return received, meta, self._slot_weights(out[0]) if self.placement is not None else None
+        return received, meta, self._slot_weights(out[0]) if self._fetched() is not None else None
 
     def _weight_rows(self) -> torch.Tensor:
         """(sent experts, 3 * H * d): this rank's experts that other ranks' slots need, destination-major."""

@@ -28,7 +28,9 @@ def parallelize(model: torch.nn.Module, cfg: Config, mesh: Mesh, counter: Option
     p = cfg.parallel
     try:
         model = apply_tensor_parallel(model, mesh, p.sequence_parallel, counter)
-        placement = load_placement(cfg, mesh.layout.ep, mesh.index("ep"), log=mesh.rank == 0)
+        # slot-owned experts (replace_every, slots.py) start at home and place themselves
+        placement = None if p.replace_every else load_placement(cfg, mesh.layout.ep, mesh.index("ep"),
+                                                                 log=mesh.rank == 0)
         model = apply_expert_parallel(model, mesh, counter, dedup=p.dedup_dispatch, placement=placement,
                                       cpu_alltoall=p.cpu_alltoall, timeout_s=p.timeout_s)
         model = apply_context_parallel(model, mesh, counter)

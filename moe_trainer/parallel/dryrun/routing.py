@@ -137,3 +137,33 @@ def routed_dispatch(model_cfg, routing: str, seed: int, stats: dict):
         yield
     finally:
         cls.__init__, cls.dispatch_out, cls._splits = base_init, base_dispatch, base_splits
+
+
+@contextlib.contextmanager
+def drawn_replacement(seed: int):
+    """The online re-placement's host reads (parallel/slots.py Replacer) under fake tensors: the interval's
+    expert load is a seeded log-normal draw per MoE layer (the same on every rank, as rank 0 would
+    broadcast it), rank 0's decision is made on real host tensors from it, and every rank reads that
+    decision (made again from the same draw), so the moves it makes are the ones its EP group makes."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from .. import slots
+    cls = slots.Replacer
+    base_load, base_decide, base_rows = cls._host_load, cls._decide, cls._rows_from
+
+    def host_load(self):
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:replace".encode()))
+        load = 1000 * torch.exp(SKEW_SIGMA * torch.randn(self.n_layers, self.n_experts, generator=gen,
+                                                         dtype=torch.float64))
+        rows = torch.stack([slots.rank_loads(load[i], self.slots.rows[i], self.ep) for i in range(self.n_layers)])
+        return load, rows
+
+    def decide(self):
+        with unset_fake_temporarily():
+            return base_decide(self)
+
+    cls._host_load, cls._decide = host_load, decide
+    cls._rows_from = lambda self, buf: self._decide()[0]
+    try:
+        yield
+    finally:
+        cls._host_load, cls._decide, cls._rows_from = base_load, base_decide, base_rows

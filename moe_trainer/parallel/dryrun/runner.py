@@ -57,7 +57,7 @@ from .capacity import SiteMeter, prime_optimizer_state
 from .crossrank import check_all
 from .loop import LOOP, STEPS, fake_backend, run_loop
 from .nccl_rules import NcclRules, RuleError
-from .routing import ROUTINGS, routed_dispatch
+from .routing import ROUTINGS, drawn_replacement, routed_dispatch
 
 MODES = ("all", "roles")
 
@@ -388,7 +388,8 @@ class Simulator:
             mesh_module.build_mesh = build_mesh
             with mode, fake_module_conversion(), fused_attention(), fused_rms_norm(), one_run_directory(), rank0_listing(self.listings, rank), \
                     fake_backend(rank, self.world, device, self.bound), fake_checkpoint_bytes(self.written), \
-                    routed_dispatch(cfg.model, self.routing, cfg.run.seed, self.splits[rank]):
+                    routed_dispatch(cfg.model, self.routing, cfg.run.seed, self.splits[rank]), \
+                    drawn_replacement(cfg.run.seed):
                 trainer_module.materialize = materialize_without_init(
                     device, torch.bfloat16 if cfg.train.dtype in ("bf16", "auto") else None)
                 trainer = make_trainer(cfg, layout)

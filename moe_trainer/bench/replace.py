@@ -1,0 +1,95 @@
+"""Online expert re-placement (parallel.replace_every) under skewed routing: step time with it on and off.
+
+    python -m moe_trainer.bench.replace [--rounds 3] [--steps 24] [--every 8] [--skew 0.3] [--world 2]
+                                        [--out FILE.json]
+
+moe_tiny (16 routed experts, top-4 of 4 groups, 3 MoE layers) at ep = world (2 CPU ranks by default),
+fp32, its balancing biases skewed on purpose (debug.route_skew, expert 0 favoured most, bias updates
+off), so at home EP rank 0's experts take most of the routed rows. Each round trains the same run
+twice, off (replace_every=0) then on (replace_every=--every, policy auto), one after the other (A B A
+B ...), so a slow spell of the shared machine costs both about the same. Per run: the median step time
+of the steps after the first re-placement decision (steps > every + 1: both runs timed on the same
+steps), the mean measured share of the busiest EP rank (expert.rank_max_over_mean) over those steps,
+and for `on` every `event: replace` row (decision, bytes moved, wall time). Printed: per round the
+off/on step-time ratio, and their median with min-max; the bytes and wall time of a re-placement and
+its wall time amortised over `every` steps as a share of the `on` step time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .turns import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = "configs/moe_tiny.yaml"
+
+
+def run(world: int, out: Path, steps: int, every: int, skew: float) -> list[dict]:
+    sets = [f"train.max_steps={steps}", "train.eval_every=0", "train.checkpoint_every=0", "train.resume=none",
+            "train.log_every=1", "train.dtype=fp32", f"parallel.ep={world}", f"debug.route_skew={skew}",
+            "model.bias_update_speed=0", f"parallel.replace_every={every}", f"run.out_dir={out}",
+            "metrics.peak_tflops=1.0"]
+    args = [f"--config={CONFIG}"] + [a for s in sets for a in ("--set", s)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
+    cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc-per-node={world}", f"--master-port={free_port()}",
+           "-m", "moe_trainer.train", *args] if world > 1 else [sys.executable, "-m", "moe_trainer.train", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"run {out} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def summary(rows: list[dict], every: int) -> dict:
+    timed = [r for r in rows if "loss" in r and r["step"] > every + 1]
+    return {"step_s": statistics.median(r["step_time_last_s"] for r in timed),
+            "share": statistics.mean(r["expert.rank_max_over_mean"] for r in timed),
+            "events": [r for r in rows if r.get("event") == "replace"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--every", type=int, default=8)
+    ap.add_argument("--skew", type=float, default=0.3)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench_replace_") as tmp:
+        for i in range(a.rounds):
+            off = summary(run(a.world, Path(tmp) / f"off{i}", a.steps, 0, a.skew), a.every)
+            on = summary(run(a.world, Path(tmp) / f"on{i}", a.steps, a.every, a.skew), a.every)
+            results.append({"off": off, "on": on, "ratio": off["step_s"] / on["step_s"]})
+            print(f"round {i + 1}: off {off['step_s'] * 1e3:.0f} ms (busiest rank {off['share']:.2f}x mean), "
+                  f"on {on['step_s'] * 1e3:.0f} ms ({on['share']:.2f}x), off/on {results[-1]['ratio']:.3f}",
+                  flush=True)
+    ratios = [r["ratio"] for r in results]
+    applied = [e for r in results for e in r["on"]["events"] if e["decision"] == "apply"]
+    kept = [e for r in results for e in r["on"]["events"] if e["decision"] == "keep"]
+    on_step = statistics.median(r["on"]["step_s"] for r in results)
+    wall = statistics.median(e["wall_s"] for e in applied) if applied else 0.0
+    moved = statistics.median(e["moved_bytes"] for e in applied) if applied else 0
+    decide = statistics.median(e["wall_s"] for e in kept) if kept else 0.0
+    print(f"\nstep time off/on: median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}) "
+          f"over {len(ratios)} rounds")
+    print(f"busiest EP rank / mean: off {statistics.mean(r['off']['share'] for r in results):.2f}, "
+          f"on {statistics.mean(r['on']['share'] for r in results):.2f}")
+    print(f"re-placements applied: {len(applied)} (kept: {len(kept)}); per applied one: {moved / 2 ** 20:.2f} MiB "
+          f"moved over all EP ranks, {wall * 1e3:.1f} ms wall; amortised over {a.every} steps "
+          f"{100 * wall / (a.every * on_step):.2f}% of the on step time; a decision that keeps: {decide * 1e3:.1f} ms "
+          f"({100 * decide / (a.every * on_step):.2f}%)")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"args": vars(a), "rounds": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Slot-owned experts that move while the run runs (parallel.replace_every, parallel/slots.py).
+
+Pure pieces (who sends which slot where, the relabeling that keeps experts in place, the config
+checks), and the real trainer: runs that move every expert after every step (the `rotate` drill)
+equal the 1-rank run that never moves one, loss and grad norm every step at 1e-5, through a
+checkpoint saved after a re-placement and resumed at another EP size.
+"""
+import pytest
+
+from moe_trainer.config import ConfigError
+from moe_trainer.parallel import slots as sl
+from moe_trainer.resolve import load_config
+
+from conftest import (MOE_STEPS, ROOT, TINY, assert_same_final_weights, assert_same_steps, check, launch,
+                      read_metrics)
+
+
+# ------------------------------------------------------------------ pure pieces
+
+def test_moves_pair_up_on_both_sides():
+    """Every rank's sends to d are d's receives from it, slot for slot, and applying them (with the
+    in-rank copies) turns the old placement into the new one."""
+    old, new, ep = [0, 1, 2, 3, 4, 5, 6, 7], [5, 1, 7, 0, 2, 4, 3, 6], 4
+    s = len(old) // ep
+    plans = [sl.moves(old, new, ep, r) for r in range(ep)]
+    got = list(old)
+    for r, (_, recv, keep) in enumerate(plans):
+        for a, b in keep:
+            got[r * s + b] = old[r * s + a]
+        for src in range(ep):
+            sent = plans[src][0][r]  # what src sends to r, in its order
+            assert len(sent) == len(recv[src])
+            for a, b in zip(sent, recv[src]):
+                got[r * s + b] = old[src * s + a]
+    assert got == new
+    assert sl.moved_experts(old, new, ep) == [1, 2, 1, 1]  # rank 1 sends 2 and 3, the others one each
+
+
+def test_keep_in_place_moves_the_fewest_experts():
+    old = [3, 2, 1, 0, 7, 6, 5, 4]  # rank 0 holds 0..3, rank 1 holds 4..7, in another order
+    plan = [4, 5, 6, 0, 1, 2, 3, 7]  # plan rank 0 is mostly rank 1's experts
+    row = sl.keep_in_place(plan, old, 2)
+    assert sorted(row[:4]) == [1, 2, 3, 7] and sorted(row[4:]) == [0, 4, 5, 6]  # ranks relabeled: 2 move
+    assert row[:4] == [3, 2, 1, 7] and row[4:] == [0, 6, 5, 4]  # stayers keep their slots
+    assert sl.moved_experts(old, row, 2) == [1, 1]
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["parallel.replace_every=-1"], "parallel.replace_every must be >= 0"),
+    (["parallel.replace_every=2"], "it needs parallel.ep > 1"),
+    (["parallel.replace_every=2", "parallel.ep=2", "parallel.expert_placement=plan.json"],
+     "set parallel.expert_placement to none"),
+    (["parallel.replace_policy=often"], "parallel.replace_policy must be one of auto, always, rotate"),
+])
+def test_bad_replace_settings_give_one_sentence(sets, needle):
+    with pytest.raises(ConfigError, match=needle) as err:
+        load_config(str(ROOT / "configs/moe_tiny.yaml"), TINY + sets)
+    assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------ the real trainer
+
+def test_moving_experts_equal_the_unmoved_run_through_resume(tmp_path, moe_reference):
+    """pp 2 x ep 2 (world 4) moves every expert of both stages after steps 1, 2 and 3 (steps 2 and 3 run
+    on moved experts), saves at step 3 after the third move, and resumes at ep 4 (world 4), moving after
+    step 4 (none after the last step): loss and grad norm at every step equal the 1-rank run's (fp32,
+    1e-5), and so do the final weights (saved under expert ids after a move)."""
+    out = tmp_path / "run"
+    drill = ["parallel.replace_every=1", "parallel.replace_policy=rotate", "train.dtype=fp32", "train.resume=auto"]
+    check(launch(4, out, TINY + MOE_STEPS + drill + ["parallel.ep=2", "parallel.pp=2", "train.stop_at_step=3"],
+                 launcher="torchrun"))
+    proc = check(launch(4, out, TINY + MOE_STEPS + drill + ["parallel.ep=4"], launcher="torchrun"))
+    assert "resumed from" in proc.stdout
+    assert_same_steps(moe_reference, out, rel=1e-5)
+    assert_same_final_weights(moe_reference, out)
+    rows = read_metrics(out)
+    events = [r for r in rows if r.get("event") == "replace"]
+    assert [r["step"] for r in events] == [1, 2, 3, 4] and all(r["decision"] == "apply" for r in events)
+    # rows really crossed ranks (had the tables changed without them, the losses would differ)
+    assert all(r["moved_bytes_rank"] > 0 and r["moved_experts"] > 0 for r in events)
+
+
+def test_replacement_balances_skewed_routing(tmp_path):
+    """Balancing biases skewed on purpose (debug.route_skew, updates off): at home every token goes to the
+    experts of EP rank 0 (its share 2x the mean). The search on steps 1-2's load moves half of them
+    (decided on the cost rule, written to metrics.jsonl) and the measured share falls to <= 1.10x;
+    at step 4 the search finds nothing worth the move and keeps the placement (none after the last step)."""
+    out = tmp_path / "skew"
+    check(launch(2, out, TINY + ["train.max_steps=5", "parallel.ep=2", "debug.route_skew=0.3",
+                                 "model.bias_update_speed=0", "parallel.replace_every=2"]))
+    rows = read_metrics(out)
+    share = {r["step"]: r["expert.rank_max_over_mean"] for r in rows if "loss" in r}
+    assert share[1] > 1.5 and share[2] > 1.5, share
+    assert max(share[3], share[4], share[5]) <= 1.10, share
+    first, second = (r for r in rows if r.get("event") == "replace")
+    assert first["step"] == 2 and first["decision"] == "apply" and "exceeds the move's" in first["reason"]
+    assert first["moved_bytes"] > 0 and first["moved_bytes_rank"] > 0 and first["wall_s"] > 0
+    assert first["measured_rank_max_over_mean"] == pytest.approx(share[1] / 2 + share[2] / 2, rel=0.05)
+    assert first["predicted_rank_max_over_mean_after"] <= 1.10 < first["predicted_rank_max_over_mean_before"]
+    assert second["step"] == 4 and second["decision"] == "keep" and second["moved_bytes_rank"] == 0
