@@ -43,7 +43,7 @@ HOSTS = ("eager", "compiled", "fused", "graphs", "inline")
 @dataclass(frozen=True)
 class Mechanisms:
     """What the framework running the layout overlaps and how it schedules. The defaults are this
-    trainer today: no all-to-all overlap (parallel.overlap is issue #45), DeepSpeed ZeRO-1 without
+    trainer by default: no all-to-all overlap (parallel.overlap: none), DeepSpeed ZeRO-1 without
     overlap_comm (parallel/zero.py: the reduction runs after the last backward), blocking pipeline
     sends, TP/CP collectives between the GEMMs, eager glue kernels."""
 
@@ -88,7 +88,7 @@ def trainer_mechanisms(compile_setting, a2a_overlap: bool = False, gemm_dtype: s
 TRAINER_OVERLAPS = {
     "tensor parallel": "no (collectives between the GEMMs)",
     "context parallel": "no (K/V all-gather before attention)",
-    "expert all-to-all": "no (parallel.overlap a2a is issue #45; --overlap models it)",
+    "expert all-to-all": "only with parallel.overlap a2a at pp 1 (off by default; --overlap models it)",
     "pipeline send/recv": "no (blocking sends between the schedule's steps)",
     "ZeRO-1 reductions": "no (DeepSpeed's overlap_comm is off: parallel/zero.py writes stage 1 only)",
 }
