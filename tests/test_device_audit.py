@@ -32,6 +32,13 @@ ALLOWED = {
     ("parallel/replicas.py", "_fetch_plan"): "a placement's index tensors, built once; LayerPlacement.on copies them to "
                                              "the device once",
     ("parallel/replicas.py", "layer_placement"): "the same, built once at start-up",
+    ("parallel/slots.py", "owned_placement"): "a slot-owned placement's tables, built once per re-placement; "
+                                              "LayerPlacement.on copies them to the device once",
+    ("parallel/slots.py", "rank_loads"): "the re-placement's planning, on the interval's host-side load",
+    ("parallel/slots.py", "_reset"): "the re-placement's load sums, host-side by design (update_bias copies the "
+                                     "counts there), reset once per decision",
+    ("moe/balance.py", "skewed_biases"): "debug.route_skew's initial biases, made once at build time and copied "
+                                         "into the gate's buffer",
 }
 
 

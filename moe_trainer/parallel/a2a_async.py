@@ -24,7 +24,6 @@ under its kind, as the blocking path counts them.
 """
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
@@ -71,7 +70,7 @@ def issue(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
     x = x.detach().contiguous()
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     start = counter.mark() if counter is not None else None
-    until = link.deadline(time.perf_counter(), offrank_bytes(x, out_splits, in_splits, group)) \
+    until = link.deadline(link.now(), offrank_bytes(x, out_splits, in_splits, group)) \
         if link.enabled() else None
     transport = shm_transport(group)
     if transport is not None and x.device.type == "cpu":

@@ -5,7 +5,6 @@ Backward of an all-to-all is the all-to-all with the splits swapped.
 from __future__ import annotations
 
 import math
-import time
 from collections import defaultdict
 from typing import Optional
 
@@ -287,7 +286,7 @@ def _exchange(x, out_splits, in_splits, group, counter, kind):
     x = x.contiguous()
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     start = counter.mark() if counter is not None else None
-    issued = time.perf_counter()
+    issued = link.now() if link.enabled() else 0.0
     all_to_all_single(out, x, out_splits, in_splits, group)
     if link.enabled():  # the emulated link (benchmarks, tests): no earlier than its transfer time
         link.hold(link.deadline(issued, offrank_bytes(x, out_splits, in_splits, group)))

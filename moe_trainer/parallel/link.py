@@ -25,6 +25,12 @@ def enabled() -> bool:
     return _GBPS > 0 or _LATENCY_S > 0
 
 
+def now() -> float:
+    """The link's clock (perf_counter seconds): when an all-to-all is issued. Only the emulated link reads
+    it; the trainer's own timing goes through StepClock."""
+    return time.perf_counter()
+
+
 def deadline(issued: float, nbytes: int) -> float:
     """perf_counter time before which an all-to-all of `nbytes` issued at `issued` may not complete."""
     return issued + _LATENCY_S + (nbytes * 8 / (_GBPS * 1e9) if _GBPS > 0 else 0.0)

@@ -315,7 +315,7 @@ class Replacer:
         buf = torch.zeros(1 + self.n_layers * self.n_experts, dtype=torch.int64, device=self.device)
         if new is not None:
             buf[0] = 1
-            buf[1:] = torch.tensor(new, dtype=torch.int64).flatten().to(self.device)
+            buf[1:] = torch.tensor(new, dtype=torch.int64, device=self.device).flatten()
         dist.broadcast(buf, src=0)
         return self._rows_from(buf)
 
