@@ -145,10 +145,10 @@ class Trainer:
         count_deepspeed_collectives(self.comm, {mesh.group("edp"): "edp", mesh.group("dpcp"): "dp"})
         self.executor = self._build_executor() if self.pipelined else None
         link.configure(cfg.debug.link_gbps, cfg.debug.link_latency_us)
-        # parallel.overlap=a2a: micro-batch pairs with their all-to-alls overlapped (config checks: pp = 1)
+        # parallel.overlap=a2a: micro-batch pairs with their all-to-alls overlapped (pp > 1: in the executor)
         self.overlap = OverlapExecutor(self.engine, self.engine.module, self.layout.grad_accum, mesh.group("ep"),
                                        self.comm, self.clock, cfg.parallel.recompute) \
-            if cfg.parallel.overlap == "a2a" else None
+            if cfg.parallel.overlap == "a2a" and not self.pipelined else None
         self.expert_load = ExpertLoadTracker(cfg.model, self.model, mesh, device)  # and the bias update
         self.slots, self.replacer = None, None  # slot-owned experts that move (parallel.replace_every)
         if cfg.parallel.replace_every:
@@ -330,7 +330,8 @@ class Trainer:
         self.trace = Trace(enabled=self.cfg.debug.trace_pipeline)
         return PipelineExecutor(self.engine, self.model, self.mesh, self.layout.grad_accum,
                                 (t.micro_batch_size, tokens, width), self.dtype, self.device, schedule=p.schedule,
-                                trace=self.trace, counter=self.comm, clock=self.clock)
+                                trace=self.trace, counter=self.comm, clock=self.clock,
+                                overlap=(self.mesh.group("ep"), p.recompute) if p.overlap == "a2a" else None)
 
     def train_step(self) -> dict:
         set_lr(self.engine, get_lr(self.step, self.cfg.train) * self.guards.lr_factor(self.step + 1))

@@ -64,10 +64,19 @@ def test_overlap_matches_blocking_ep4_dedup_capacity_documents(tmp_path):
     assert evals[0] == evals[1] and len(evals[0]) == 1
 
 
+def test_overlap_matches_blocking_pp2_ep2_mtp(tmp_path):
+    """pp 2 x ep 2 on 4 ranks under 1F1B with 4 micro-batches (steady (backward, forward) pairs
+    overlapped on both stages), one MTP depth (its embeddings carried from the first stage), both
+    auxiliary losses on both stages; point-to-point held to NCCL's rule (the launcher's wrapper)."""
+    _compare(tmp_path, 4, ["parallel.pp=2", "parallel.ep=2", "model.num_nextn_predict_layers=1",
+                           "model.seq_aux_loss_alpha=0.01", "model.router_z_loss_coef=0.001",
+                           "train.global_batch_size=16"])
+
+
 @pytest.mark.parametrize("overrides, why", [
     (["parallel.ep=1"], "parallel.ep is 1"),
     (["model.arch=llama3"], "llama3"),
-    (["parallel.ep=2", "parallel.pp=2"], "pp > 1"),
+    (["parallel.ep=2", "parallel.pp=2", "parallel.schedule=gpipe"], "schedule is gpipe"),
     (["parallel.ep=2", "parallel.cp=2"], "tp or parallel.cp > 1"),
     (["parallel.ep=2", "train.compile=true"], "train.compile is true"),
 ])

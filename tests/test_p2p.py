@@ -17,11 +17,11 @@ from moe_trainer.parallel.pipeline import SCHEDULES, forward_only, schedule_unit
 from conftest import ROOT, EventLikeClock, spawn_ranks
 
 
-def batched_plan(schedule: str, s: int, p: int, m: int, v: int = 1) -> list[list[Transfer]]:
+def batched_plan(schedule: str, s: int, p: int, m: int, v: int = 1, overlap: bool = False) -> list[list[Transfer]]:
     """Stage s's batches of transfers, in issue order, as the executor posts them ("eval": the
-    forward-only order of evaluation)."""
+    forward-only order of evaluation; overlap: parallel.overlap=a2a's units)."""
     units = ([[op] for op in forward_only(s, p, m, v)] if schedule == "eval"
-             else schedule_units(schedule, s, p, m, v))
+             else schedule_units(schedule, s, p, m, v, overlap))
     return [batch for batch, _ in comm_plan(units, chunk_peers(s, p, v, list(range(p)))) if batch]
 
 
@@ -109,6 +109,27 @@ def test_every_interleaved_schedule_is_deadlock_free_under_nccl_rule(schedule):
             for v in (2, 3, 4):
                 stuck = simulate([batched_plan(schedule, s, p, m, v) for s in range(p)])
                 assert stuck is None, (schedule, p, m, v, stuck)
+
+
+def test_overlapped_units_are_deadlock_free_and_pair_independent_operations():
+    """parallel.overlap=a2a's units (a steady backward with the forward after it, run interleaved):
+    every p <= 8, m <= 16 plain, and m a multiple of p with v in {2, 3, 4} interleaved, finish under
+    the rule; the same operations in the same order as without overlap; every pair a backward and
+    the forward of another micro-batch (no operation of the pair waits for the other's result),
+    and a pair wherever a steady state has two forwards."""
+    cases = [(p, m, 1) for p in range(1, 9) for m in range(1, 17)] + \
+        [(p, m, v) for p in range(2, 9) for m in range(p, 17, p) for v in (2, 3, 4)]
+    for p, m, v in cases:
+        assert simulate([batched_plan("1f1b", s, p, m, v, overlap=True) for s in range(p)]) is None, (p, m, v)
+        for s in range(p):
+            units = schedule_units("1f1b", s, p, m, v, overlap=True)
+            assert [op for u in units for op in u] == SCHEDULES["1f1b"](s, p, m, v)
+            pairs = [u for u in units if len(u) == 2]
+            assert all(b[0] == "B" and f[0] == "F" and b[1] != f[1] for b, f in pairs), (p, m, v, s)
+            assert all(len(u) <= 2 for u in units)
+    # the last stage of 1F1B at p 2, m 4: F0 alone, then (B0, F1), (B1, F2), (B2, F3), B3
+    assert schedule_units("1f1b", 1, 2, 4, overlap=True) == \
+        [[("F", 0, 0)], [("B", 0, 0), ("F", 1, 0)], [("B", 1, 0), ("F", 2, 0)], [("B", 2, 0), ("F", 3, 0)], [("B", 3, 0)]]
 
 
 def test_the_unbatched_order_deadlocks_under_nccl_rule():

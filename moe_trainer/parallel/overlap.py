@@ -65,22 +65,21 @@ class _Stage:
     aux: Optional[torch.Tensor] = None
 
 
-class OverlapExecutor:
-    """One optimizer step at pp = 1 with the EP all-to-alls overlapped (see the module's docstring)."""
+class StagedPair:
+    """One micro-batch's forward and backward as generators over its stages, and the loop that runs
+    two of them interleaved: what OverlapExecutor (pp = 1) and the pipeline executor's overlapped
+    1F1B pairs (pipeline.py, parallel.overlap=a2a at pp > 1) share."""
 
-    def __init__(self, engine, model: nn.Module, micro_batches: int, group, counter=None,
-                 clock: Optional[StepClock] = None, recompute: str = "none"):
+    def __init__(self, engine, micro_batches: int, group, counter=None, clock: Optional[StepClock] = None):
         self.engine, self.m, self.group, self.counter = engine, micro_batches, group, counter
         self.clock = clock or StepClock()
-        self.stages = stage_functions(model, recompute)
-        self.poison = False
 
     # ------------------------------------------------------------------ one micro-batch
-    def _forward(self, inputs: dict, out: list):
-        """Generator: the stages of one forward; yields with an all-to-all in flight. Appends the
-        stage records to `out`, then the LMOutput."""
+    def _forward(self, inputs: dict, out: list, stages: list):
+        """Generator: the `stages` (overlap_model's functions) of one forward; yields with an
+        all-to-all in flight. Appends the stage records to `out`, then the last stage's "out"."""
         received = ()
-        for fn in self.stages:
+        for fn in stages:
             st = _Stage({n: _leaf(v) for n, v in inputs.items()}, received)
             st.outputs, outbound, st.aux = fn(st.inputs, st.received)
             out.append(st)
@@ -91,21 +90,21 @@ class OverlapExecutor:
             yield
             received = tuple(f.wait().requires_grad_(t.requires_grad) for f, t in zip(flights, st.sent))
             inputs = st.outputs
-        result = out[-1].outputs["out"]
-        if self.poison:
-            result.loss, result.losses["lm"] = result.loss * float("nan"), result.losses["lm"] * float("nan")
-        out.append(result)
+        out.append(out[-1].outputs["out"])
 
-    def _backward(self, stages: list):
-        """Generator: the stages' backwards in reverse; yields with a gradient all-to-all in flight."""
+    def _backward(self, stages: list, seed: Optional[torch.Tensor] = None, input_grads: Optional[dict] = None):
+        """Generator: the stages' backwards in reverse; yields with a gradient all-to-all in flight.
+        seed: the gradient of the last stage's "out" (a pipeline chunk's output, received from the
+        next pipeline stage; it carries the 1/m), or None: the backward starts from the loss.
+        input_grads: filled with the first stage's input gradients, {(key, index): gradient}."""
         result = stages.pop()
-        grads: dict = {}  # (key, index) -> gradient of the stage's output
+        grads: dict = {} if seed is None else {("out", 0): seed}  # (key, index) -> gradient of the stage's output
         sent_grads: tuple = ()
         self.engine.set_gradient_accumulation_boundary(False)
         while stages:
             st = stages.pop()
             through = {}
-            if "out" in st.outputs:  # the last stage: from the loss (the engine divides by m)
+            if seed is None and "out" in st.outputs:  # the last stage: from the loss (the engine divides by m)
                 self.engine.backward(result.loss)
             else:
                 inputs = dict(_tensors(st.inputs))
@@ -130,6 +129,8 @@ class OverlapExecutor:
                     g = through[key] if g is None else g + through[key]
                 grads[key] = g
             if not st.received:
+                if input_grads is not None and not stages:
+                    input_grads.update(grads)
                 continue
             # the received rows' gradients go back the way they came: the sending stage's splits, swapped
             flights = [issue(r.grad if r.grad is not None else torch.zeros_like(r), i, o, self.group, self.counter,
@@ -137,39 +138,6 @@ class OverlapExecutor:
             del st
             yield
             sent_grads = tuple(f.wait() for f in flights)
-
-    # ------------------------------------------------------------------ the step
-    def step(self, get_batch: Callable[[int], tuple]) -> tuple[dict, dict]:
-        """Every micro-batch's forward and backward, then the gradient reduction and the optimizer step.
-        Returns (summed detached losses, {"forward": spans, "backward": spans})."""
-        sums: dict = {}
-        spans = {"forward": [], "backward": []}
-        records: list = [None] * self.m
-
-        def forward(i):
-            ids, labels, positions, documents = get_batch(i)
-            records[i] = []
-            return self._timed(self._forward({"input_ids": ids, "labels": labels, "positions": positions,
-                                              "documents": documents}, records[i]), spans["forward"])
-
-        def backward(i):
-            return self._timed(self._backward(records[i]), spans["backward"])
-
-        self._run(forward(0))
-        for i in range(self.m):
-            out = records[i][-1]
-            for k, v in out.losses.items():
-                sums[k] = sums.get(k, 0.0) + v.float()
-            if i + 1 < self.m:
-                self._run(forward(i + 1), backward(i))
-                self.engine.step()  # not the boundary: counts the micro-step
-            else:
-                self._run(backward(i))
-            records[i] = None
-        self.engine.set_gradient_accumulation_boundary(True)
-        self.engine.allreduce_gradients()
-        self.engine.step()
-        return sums, spans
 
     def _timed(self, gen, spans: list):
         """gen's resumptions, each timed into `spans` (clock mark pairs)."""
@@ -193,3 +161,52 @@ class OverlapExecutor:
                     next(g)
                 except StopIteration:
                     live.remove(g)
+
+
+class OverlapExecutor(StagedPair):
+    """One optimizer step at pp = 1 with the EP all-to-alls overlapped (see the module's docstring)."""
+
+    def __init__(self, engine, model: nn.Module, micro_batches: int, group, counter=None,
+                 clock: Optional[StepClock] = None, recompute: str = "none"):
+        super().__init__(engine, micro_batches, group, counter, clock)
+        self.stages = stage_functions(model, recompute)
+        self.poison = False
+
+    def _forward_poisoned(self, inputs: dict, out: list):
+        yield from self._forward(inputs, out, self.stages)
+        if self.poison:
+            result = out[-1]
+            result.loss, result.losses["lm"] = result.loss * float("nan"), result.losses["lm"] * float("nan")
+
+    # ------------------------------------------------------------------ the step
+    def step(self, get_batch: Callable[[int], tuple]) -> tuple[dict, dict]:
+        """Every micro-batch's forward and backward, then the gradient reduction and the optimizer step.
+        Returns (summed detached losses, {"forward": spans, "backward": spans})."""
+        sums: dict = {}
+        spans = {"forward": [], "backward": []}
+        records: list = [None] * self.m
+
+        def forward(i):
+            ids, labels, positions, documents = get_batch(i)
+            records[i] = []
+            return self._timed(self._forward_poisoned({"input_ids": ids, "labels": labels, "positions": positions,
+                                                       "documents": documents}, records[i]), spans["forward"])
+
+        def backward(i):
+            return self._timed(self._backward(records[i]), spans["backward"])
+
+        self._run(forward(0))
+        for i in range(self.m):
+            out = records[i][-1]
+            for k, v in out.losses.items():
+                sums[k] = sums.get(k, 0.0) + v.float()
+            if i + 1 < self.m:
+                self._run(forward(i + 1), backward(i))
+                self.engine.step()  # not the boundary: counts the micro-step
+            else:
+                self._run(backward(i))
+            records[i] = None
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.allreduce_gradients()
+        self.engine.step()
+        return sums, spans

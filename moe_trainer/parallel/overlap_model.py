@@ -78,7 +78,27 @@ def _context(inp: dict) -> dict:
 def stage_functions(model: nn.Module, recompute: str = "none") -> list[Callable]:
     """The stages of one micro-batch's forward; the first takes inputs {input_ids, labels, positions,
     documents}, the last returns {"out": LMOutput} (its loss the micro-batch's total)."""
-    layers = list(model.layers.values())
+    return _stage_functions(model, list(model.layers.values()), model.embed_tokens, (model.norm, model.lm_head),
+                            None, recompute)
+
+
+def chunk_stage_functions(stage: nn.Module, chunk: int, recompute: str = "none") -> list[Callable]:
+    """The stages of one micro-batch's forward through chunk `chunk` of a pipeline.PipelineStage, cut as
+    above. The first takes {carried, input_ids, labels, positions, documents} (carried: what the
+    previous pipeline stage sent, None on the model's first chunk); the last returns {"out": LMOutput}
+    on the model's last chunk, else {"out": carried for the next stage, "aux": the chunk's auxiliary
+    losses, detached}: the values of PipelineStage.forward, op for op."""
+    width = stage.cfg.hidden_size if stage.carry_emb else None
+    return _stage_functions(stage._model[0], [stage.layers[i] for i in stage.chunks[chunk]],
+                            stage.embed_tokens if stage.is_first(chunk) else None,
+                            (stage.norm, stage.lm_head) if stage.is_last(chunk) else None, width, recompute)
+
+
+def _stage_functions(model: nn.Module, layers: list, embed, head, width, recompute: str) -> list[Callable]:
+    """embed: the embedding (else the first stage reads `carried`: the hidden states, and the token
+    embeddings after `width` features when width is set); head: (norm, lm_head), else the last stage
+    hands on the hidden states (concatenated with the embeddings when width is set); model: the full
+    model, for its rope and loss."""
     moe_at = [i for i, layer in enumerate(layers) if layer.is_moe]
     full = recompute == "full"
 
@@ -101,13 +121,18 @@ def stage_functions(model: nn.Module, recompute: str = "none") -> list[Callable]
         return {**ctx, **out}, outbound, aux
 
     def tail(ctx: dict, h: torch.Tensor):
-        logits = model.lm_head(model.norm(h))
+        if head is None:
+            return {"out": torch.cat([h, ctx["emb"]], dim=-1) if width else h, "aux": ctx["aux"]}, None, None
+        logits = head[1](head[0](h))
         return {"out": model.loss(logits, ctx["labels"], h, ctx["emb"], ctx["aux"], ctx["documents"],
                                   ctx["positions"])}, None, None
 
     def first(inp: dict, received: tuple):
-        ids = inp["input_ids"]
-        h = emb = model.embed_tokens(ids)
+        ids, carried = inp["input_ids"], inp.get("carried")
+        if embed is not None:
+            h = emb = embed(ids)
+        else:
+            h, emb = (carried[..., :width], carried[..., width:]) if width else (carried, None)
         cos, sin = model.rope(ids.shape[1], h.device, h.dtype, inp["positions"])
         ctx = {"cos": cos, "sin": sin, "documents": inp["documents"], "labels": inp["labels"],
                "positions": inp["positions"], "emb": emb, "aux": None}

@@ -188,10 +188,26 @@ def forward_only(stage: int, stages: int, micro_batches: int, chunks: int = 1) -
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
 
-def schedule_units(schedule: str, stage: int, stages: int, micro_batches: int, chunks: int = 1) -> list[list[Op]]:
+def schedule_units(schedule: str, stage: int, stages: int, micro_batches: int, chunks: int = 1,
+                   overlap: bool = False) -> list[list[Op]]:
     """The schedule's operations grouped for p2p.comm_plan: one operation per unit, except the
-    interleaved 1F1B's steady state, whose forward-backward pairs are one unit each."""
+    interleaved 1F1B's steady state, whose forward-backward pairs are one unit each.
+
+    overlap (parallel.overlap=a2a, 1F1B plain or interleaved): the steady state's units are
+    (backward k, the forward after it) pairs, which the executor runs interleaved (overlap.py):
+    the same operations in the same order, grouped one forward later than the interleaved units,
+    because a steady forward and the backward after it may be one micro-batch's (on the last rank
+    each forward's backward follows it at once) while a backward and the forward after it never
+    are. Both receives come before the pair, both sends after it (tests/test_p2p.py simulates it)."""
     ops = SCHEDULES[schedule](stage, stages, micro_batches, chunks)
+    if schedule == "1f1b" and overlap:
+        warmup = interleaved_warmup(stage, stages, micro_batches, chunks) if chunks > 1 else \
+            min(stages - stage - 1, micro_batches)
+        end = len(ops) - warmup  # the cool-down: as many backwards as warm-up forwards
+        if end - warmup < 4:  # fewer than two steady forwards: no pair
+            return [[op] for op in ops]
+        return [[op] for op in ops[:warmup + 1]] + [ops[n:n + 2] for n in range(warmup + 1, end - 1, 2)] + \
+            [[op] for op in ops[end - 1:]]
     if schedule != "1f1b" or chunks == 1:
         return [[op] for op in ops]
     warmup = interleaved_warmup(stage, stages, micro_batches, chunks)
@@ -400,7 +416,11 @@ class PipelineExecutor:
 
     def __init__(self, engine, stage: PipelineStage, mesh, micro_batches: int, carried_shape: tuple,
                  dtype: torch.dtype, device: torch.device, schedule: str = "1f1b", trace: Optional[Trace] = None,
-                 meter: Optional[ActivationMeter] = None, counter=None, clock: Optional[StepClock] = None):
+                 meter: Optional[ActivationMeter] = None, counter=None, clock: Optional[StepClock] = None,
+                 overlap: Optional[tuple] = None):
+        """overlap: (EP group, parallel.recompute) for parallel.overlap=a2a: each steady (backward,
+        forward) pair runs interleaved at sub-layer granularity (overlap.StagedPair), each all-to-all
+        of one in flight while the other computes; warm-up and cool-down run as before."""
         if getattr(getattr(engine, "optimizer", None), "overlap_comm", False):
             # with it ZeRO-1 reduces in its gradient hooks during a boundary backward only, and then
             # allreduce_gradients (reduce_and_step, after the backwards) would reduce nothing
@@ -411,7 +431,15 @@ class PipelineExecutor:
         self.v = len(stage.chunks)
         pp, s = mesh.layout.pp, mesh.coord["pp"]
         self.pp, self.s = pp, s
-        self.units = schedule_units(schedule, s, pp, micro_batches, self.v)
+        self.units = schedule_units(schedule, s, pp, micro_batches, self.v, overlap=overlap is not None)
+        self.pair = None
+        if overlap is not None:
+            from .overlap import StagedPair
+            from .overlap_model import chunk_stage_functions
+            if meter is not None:
+                raise ValueError("the activation meter's hooks cannot follow two interleaved micro-batches")
+            self.pair = StagedPair(engine, micro_batches, overlap[0], counter, self.clock)
+            self.pieces = [chunk_stage_functions(stage, c, overlap[1]) for c in range(self.v)]
         self.ops = [op for unit in self.units for op in unit]
         self.boundary = [op for op in self.ops if op[0] == "B"][-1]  # the last backward: reduce_and_step steps for it
         self.peers = chunk_peers(s, pp, self.v, mesh.members["pp"])
@@ -422,16 +450,22 @@ class PipelineExecutor:
                                      transport=shm_transport(mesh.group("pp")), ranks=mesh.members["pp"])
         self.poison = False  # fault drill: make this step's loss NaN on the last stage
 
-    def _run(self, units: list, run_op: Callable, res: Optional[StepResult] = None) -> None:
+    def _run(self, units: list, run_op: Callable, res: Optional[StepResult] = None,
+             run_pair: Optional[Callable] = None) -> None:
         """The units' operations in order, each after its batch of transfers; run_op(op, received) ->
-        {(kind, micro, chunk): tensor} to send."""
+        {(kind, micro, chunk): tensor} to send. run_pair(unit, received), if given, runs the units of
+        two operations instead (their second operation's batch is empty: comm_plan)."""
         received, outgoing = {}, {}
+        pairs = {unit[0]: unit for unit in units if len(unit) == 2} if run_pair is not None else {}
+        second = {unit[1] for unit in pairs.values()}
         for batch, op in comm_plan(units, self.peers):
             t = self.clock.mark()
             received.update(self.exchange.run(batch, outgoing))
             if res is not None and any(not tr.send for tr in batch):
                 res.spans["wait"].append((t, self.clock.mark()))
-            if op is not None:
+            if op in pairs:
+                outgoing.update(run_pair(pairs[op], received))
+            elif op is not None and op not in second:
                 outgoing.update(run_op(op, received))
 
     def step(self, get_batch: Callable[[int], tuple]) -> StepResult:
@@ -439,6 +473,9 @@ class PipelineExecutor:
         the labels goes to the stage as it is."""
         res = StepResult(losses={})
         saved: dict[tuple, tuple] = {}
+
+        if self.pair is not None:
+            return self._step_overlapped(get_batch)
 
         def run_op(op, received):
             kind, i, c = op
@@ -455,6 +492,68 @@ class PipelineExecutor:
         self._run(self.units, run_op, res)
         self.reduce_and_step()
         return res
+
+    def _step_overlapped(self, get_batch: Callable[[int], tuple]) -> StepResult:
+        """step() under parallel.overlap=a2a: every operation through the chunk's stages
+        (overlap_model), a pair's two interleaved, a lone one alone; the same engine calls."""
+        res = StepResult(losses={})
+        saved: dict[tuple, list] = {}
+
+        def run_pair(unit, received):
+            sends: dict = {}
+            # the forward resumes first, as at pp = 1 (every EP rank of the stage issues the same order)
+            self.pair._run(*[self._forward_staged(op, get_batch, received, saved, res, sends) for op in unit
+                             if op[0] == "F"], *[self._backward_staged(op, received, saved, res, sends)
+                                                 for op in unit if op[0] == "B"])
+            for op in unit:
+                if op[0] == "B" and op[2] == 0 and op != self.boundary:  # one step() per micro-batch, as step()
+                    self.engine.step()
+            return sends
+
+        self._run(self.units, lambda op, received: run_pair([op], received), res, run_pair)
+        self.reduce_and_step()
+        return res
+
+    def _forward_staged(self, op, get_batch, received, saved, res, sends):
+        """Generator: forward `op` stage by stage (yields with an all-to-all in flight); its record in
+        `saved`, its activations in `sends`, its losses in `res`, as _forward."""
+        _, i, c = op
+        ids, labels, *rest = get_batch(i)
+        carried = received.pop(("act", i, c), None)
+        if carried is not None:
+            carried.requires_grad_()
+        inputs = {"carried": carried, "input_ids": ids, "labels": labels,
+                  "positions": rest[0] if rest else None, "documents": rest[1] if len(rest) > 1 else None}
+        records: list = []
+        n = len(res.spans["forward"])
+        yield from self.pair._timed(self.pair._forward(inputs, records, self.pieces[c]), res.spans["forward"])
+        for t0, t1 in res.spans["forward"][n:]:
+            self.trace.record("forward", i, t0, t1, c)
+        out = records[-1]
+        saved[(i, c)] = records
+        if self.stage.is_last(c):
+            if self.poison:
+                out.loss, out.losses = out.loss * float("nan"), {k: v * float("nan") for k, v in out.losses.items()}
+            for k, v in out.losses.items():
+                res.losses[k] = res.losses.get(k, 0.0) + v.float()
+            return
+        aux = records[-2].outputs["aux"]
+        if aux is not None:
+            res.losses["aux"] = res.losses.get("aux", 0.0) + aux.detach().float()
+        sends[("act", i, c)] = out.detach()
+
+    def _backward_staged(self, op, received, saved, res, sends):
+        """Generator: backward `op` stage by stage in reverse (yields with a gradient all-to-all in
+        flight); its input gradient in `sends`, as _backward."""
+        _, i, c = op
+        grads: dict = {}
+        n = len(res.spans["backward"])
+        yield from self.pair._timed(self.pair._backward(saved.pop((i, c)), received.pop(("grad", i, c), None), grads),
+                                    res.spans["backward"])
+        for t0, t1 in res.spans["backward"][n:]:
+            self.trace.record("backward", i, t0, t1, c)
+        if not self.stage.is_first(c):
+            sends[("grad", i, c)] = grads[("carried", 0)]
 
     def reduce_and_step(self) -> None:
         """The step's gradient reduction (ZeRO-1's, over the data-parallel group) and the optimizer step,
