@@ -8,6 +8,8 @@ from moe_trainer.config import ConfigError
 from moe_trainer.resolve import load_config
 
 STEPS = ["train.max_steps=2"]
+# pp 2 x ep 2 on 4 ranks, 4 micro-batches of 2 (steady 1F1B pairs on both stages), one MTP depth
+PP2 = ["parallel.pp=2", "parallel.ep=2", "model.num_nextn_predict_layers=1", "train.global_batch_size=16"]
 
 
 def _exact(r: dict, with_bytes: bool) -> dict:
@@ -68,9 +70,23 @@ def test_overlap_matches_blocking_pp2_ep2_mtp(tmp_path):
     """pp 2 x ep 2 on 4 ranks under 1F1B with 4 micro-batches (steady (backward, forward) pairs
     overlapped on both stages), one MTP depth (its embeddings carried from the first stage), both
     auxiliary losses on both stages; point-to-point held to NCCL's rule (the launcher's wrapper)."""
-    _compare(tmp_path, 4, ["parallel.pp=2", "parallel.ep=2", "model.num_nextn_predict_layers=1",
-                           "model.seq_aux_loss_alpha=0.01", "model.router_z_loss_coef=0.001",
-                           "train.global_batch_size=16"])
+    _, overlapped = _compare(tmp_path, 4, PP2 + ["model.seq_aux_loss_alpha=0.01", "model.router_z_loss_coef=0.001"])
+    _hid(overlapped)
+
+
+def test_overlap_matches_blocking_pp2_v2_ep2_mtp_full_recompute(tmp_path):
+    """Interleaved 1F1B: pp 2 x v 2 (4 layers, one a virtual stage) x ep 2, 4 micro-batches (steady
+    pairs on both ranks, the last rank's chunk 1 feeding rank 0's chunk 0 included), MTP, full
+    recomputation (byte counts differ: see the ep 2 test)."""
+    _, overlapped = _compare(tmp_path, 4, PP2 + ["model.num_hidden_layers=4", "parallel.virtual_stages=2",
+                                                 "parallel.recompute=full"], with_bytes=False)
+    _hid(overlapped)
+
+
+def _hid(rows: list[dict]) -> None:
+    """The overlapped run's all-to-alls went through the asynchronous path, each kind and its gradient."""
+    for r in _steps(rows):
+        assert all(r[f"comm.overlapped_{k}_s"] > 0 for k in ("dispatch", "combine", "dispatch_grad", "combine_grad"))
 
 
 @pytest.mark.parametrize("overrides, why", [
