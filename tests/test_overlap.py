@@ -24,8 +24,13 @@ def _compare(tmp_path, world: int, overrides: list[str], with_bytes: bool = True
         out = tmp_path / overlap
         check(launch(world, out, TINY + STEPS + overrides + [f"parallel.overlap={overlap}"]))
         runs[overlap] = out
-    assert_same_steps(runs["none"], runs["a2a"], steps=(1, 2), rel=1e-6)
-    blocking, overlapped = (read_metrics(runs[k]) for k in ("none", "a2a"))
+    return _same(runs["none"], runs["a2a"], with_bytes)
+
+
+def _same(ref, run, with_bytes: bool) -> tuple[list, list]:
+    """The runs in ref and run: loss and grad norm every step to 1e-6, _exact identical."""
+    assert_same_steps(ref, run, steps=(1, 2), rel=1e-6)
+    blocking, overlapped = read_metrics(ref), read_metrics(run)
     for a, b in zip(*(_steps(rows) for rows in (blocking, overlapped))):
         assert _exact(a, with_bytes) == _exact(b, with_bytes) and any(k.startswith("expert.") for k in a)
         assert not with_bytes or any(k.startswith("comm.dispatch") for k in _exact(a, True))
@@ -66,21 +71,23 @@ def test_overlap_matches_blocking_ep4_dedup_capacity_documents(tmp_path):
     assert evals[0] == evals[1] and len(evals[0]) == 1
 
 
-def test_overlap_matches_blocking_pp2_ep2_mtp(tmp_path):
-    """pp 2 x ep 2 on 4 ranks under 1F1B with 4 micro-batches (steady (backward, forward) pairs
-    overlapped on both stages), one MTP depth (its embeddings carried from the first stage), both
-    auxiliary losses on both stages; point-to-point held to NCCL's rule (the launcher's wrapper)."""
-    _, overlapped = _compare(tmp_path, 4, PP2 + ["model.seq_aux_loss_alpha=0.01", "model.router_z_loss_coef=0.001"])
-    _hid(overlapped)
-
-
-def test_overlap_matches_blocking_pp2_v2_ep2_mtp_full_recompute(tmp_path):
-    """Interleaved 1F1B: pp 2 x v 2 (4 layers, one a virtual stage) x ep 2, 4 micro-batches (steady
-    pairs on both ranks, the last rank's chunk 1 feeding rank 0's chunk 0 included), MTP, full
-    recomputation (byte counts differ: see the ep 2 test)."""
-    _, overlapped = _compare(tmp_path, 4, PP2 + ["model.num_hidden_layers=4", "parallel.virtual_stages=2",
-                                                 "parallel.recompute=full"], with_bytes=False)
-    _hid(overlapped)
+def test_overlap_matches_blocking_pp2_ep2_mtp_plain_and_interleaved(tmp_path):
+    """pp 2 x ep 2 on 4 ranks, 4 layers, 4 micro-batches, one MTP depth (its embeddings carried from the
+    first stage), both auxiliary losses on both stages; point-to-point held to NCCL's rule (the
+    launcher's wrapper). One blocking 1F1B run is the reference of two overlapped runs:
+    - 1F1B: steady (backward, forward) pairs on both stages; every byte count identical too;
+    - interleaved 1F1B (v 2, a layer per virtual stage, the last rank's chunk 0 feeding rank 0's
+      chunk 1) with full recomputation: the same steps as plain 1F1B's (each parameter's gradient
+      summed over the same micro-batches in the same order; the norm's sum over stages in another
+      order, ~1e-7), so it is held to the same 1e-6 and identical expert load, one launch fewer than
+      its own blocking run (byte counts differ: the recomputed MTP block, twice the transfers)."""
+    base = TINY + STEPS + PP2 + ["model.num_hidden_layers=4", "model.seq_aux_loss_alpha=0.01",
+                                 "model.router_z_loss_coef=0.001"]
+    runs = {"none": [], "a2a": [], "a2a_v2": ["parallel.virtual_stages=2", "parallel.recompute=full"]}
+    for name, extra in runs.items():
+        check(launch(4, tmp_path / name, base + extra + [f"parallel.overlap={name.split('_')[0]}"]))
+    for name, with_bytes in (("a2a", True), ("a2a_v2", False)):
+        _hid(_same(tmp_path / "none", tmp_path / name, with_bytes)[1])
 
 
 def _hid(rows: list[dict]) -> None:
