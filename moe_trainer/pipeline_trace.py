@@ -13,20 +13,32 @@ from pathlib import Path
 COMPUTE = ("forward", "backward")
 
 
+def _op(e: dict) -> tuple[str, int, int]:
+    return "F" if e["kind"] == "forward" else "B", e["micro"], e.get("chunk", 0)
+
+
+def _op_spans(events: list[dict]) -> dict:
+    """{op: (first start, last end)}: under parallel.overlap=a2a an operation of a pair is recorded as
+    one event per stage it ran (its pieces interleaved with the other operation's)."""
+    spans: dict = {}
+    for e in events:
+        if e["kind"] in COMPUTE:
+            a, b = spans.get(_op(e), (e["start"], e["end"]))
+            spans[_op(e)] = (min(a, e["start"]), max(b, e["end"]))
+    return spans
+
+
 def executed_order(events: list[dict]) -> list[tuple[str, int, int]]:
-    """("F" | "B", micro, chunk) in the order this stage ran them."""
-    ops = sorted((e for e in events if e["kind"] in COMPUTE), key=lambda e: e["start"])
-    return [("F" if e["kind"] == "forward" else "B", e["micro"], e.get("chunk", 0)) for e in ops]
+    """("F" | "B", micro, chunk) in the order this stage started them."""
+    spans = _op_spans(events)
+    return sorted(spans, key=lambda op: spans[op][0])
 
 
 def peak_in_flight_measured(events: list[dict]) -> int:
     """Most (micro-batch, chunk) activations whose forward had ended and backward not yet started."""
     points = []
-    for e in events:
-        if e["kind"] == "forward":
-            points.append((e["end"], 1))
-        elif e["kind"] == "backward":
-            points.append((e["start"], -1))
+    for op, (start, end) in _op_spans(events).items():
+        points.append((end, 1) if op[0] == "F" else (start, -1))
     live = peak = 0
     for _, delta in sorted(points, key=lambda p: (p[0], p[1])):
         live += delta

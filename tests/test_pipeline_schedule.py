@@ -213,3 +213,15 @@ def test_gpipe_order_runs_when_asked(tmp_path):
     for s, events in enumerate(trace["events"]):
         assert executed_order(events) == gpipe(s, 2, 4)
         assert peak_in_flight_measured(events) == 4
+
+
+def test_trace_of_an_overlapped_pair_counts_each_operation_once():
+    """parallel.overlap=a2a records a pair's operations one event per stage they ran, interleaved:
+    the trace's order and peak count operations (first start, last end), not events."""
+    def ev(kind, micro, start, end):
+        return {"kind": kind, "micro": micro, "chunk": 0, "start": start, "end": end}
+    # the last stage of pp 2 at m 2: F0 alone, then F1 (2 pieces) interleaved with B0 (2 pieces), then B1
+    events = [ev("forward", 0, 0, 1), ev("forward", 1, 1, 2), ev("backward", 0, 2, 3), ev("forward", 1, 3, 4),
+              ev("backward", 0, 4, 5), ev("backward", 1, 5, 6)]
+    assert executed_order(events) == [("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)]
+    assert peak_in_flight_measured(events) == 1  # F1 ends (4) after B0 started (2): never two ended forwards
