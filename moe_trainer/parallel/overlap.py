@@ -1,5 +1,6 @@
 """The overlapped executor (`parallel.overlap: a2a`): one micro-batch's all-to-alls in flight while
-another micro-batch computes, at pp = 1.
+another micro-batch computes, at pp = 1; at pp > 1 the pipeline executor runs 1F1B's steady pairs
+with the same generators (StagedPair; see "At pp > 1" below).
 
 Design: Megatron-Core's "combined 1F1B" (its EP A2A overlap), the pairing DualPipe is built on,
 with the gradient-accumulation micro-batches as the pair. The forward of micro-batch i + 1 runs
@@ -14,6 +15,16 @@ activations are alive (one more than without overlap, and only while the pair ru
 Why this and not DualPipe: DualPipe pairs the chunks of a bidirectional pipeline and needs pp > 1
 and two copies of the model's stages; at pp = 1 the pair is two micro-batches of the same step,
 which is exactly combined 1F1B, and it keeps the optimizer step and the gradients as they are.
+
+At pp > 1 (pipeline.py, plain and interleaved 1F1B): in the steady state each backward is paired
+with the forward that follows it in 1F1B's order (pipeline.schedule_units), another micro-batch's
+(or chunk's) on every rank; the pair's forward runs interleaved with the backward through the
+chunk's stages (overlap_model.chunk_stage_functions), and its point-to-point transfers go as one
+unit: both receives before the pair, both sends after it (deadlock-free under NCCL's rule: the
+rendezvous simulation in tests/test_p2p.py). Pairing the forward with the backward after it, as
+Megatron-Core's interleaved units do, would pair the last rank's forward with its own backward.
+Warm-up and cool-down run in today's order, each operation alone through the same stages. This is
+Megatron-Core's combined 1F1B inside a pipeline; DualPipe's bidirectional schedule is not built.
 
 The backward is explicit per stage, in reverse: a stage's outputs (and the tensors it sent) get
 their gradients from the next stage's inputs (and, through the reversed all-to-all, from its

@@ -471,11 +471,10 @@ class PipelineExecutor:
     def step(self, get_batch: Callable[[int], tuple]) -> StepResult:
         """get_batch(i) -> (input_ids, labels, positions[, documents]) of micro-batch i; what follows
         the labels goes to the stage as it is."""
-        res = StepResult(losses={})
-        saved: dict[tuple, tuple] = {}
-
         if self.pair is not None:
             return self._step_overlapped(get_batch)
+        res = StepResult(losses={})
+        saved: dict[tuple, tuple] = {}
 
         def run_op(op, received):
             kind, i, c = op
