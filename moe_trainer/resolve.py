@@ -68,7 +68,7 @@ def check(cfg: Config) -> None:
 
 def check_overlap(cfg: Config) -> None:
     """parallel.overlap=a2a where the overlapped executor (parallel/overlap.py; at pp > 1 the pipeline
-    executor's 1F1B pairs) runs; debug.link_* >= 0."""
+    executor's interleaved 1F1B pairs) runs; debug.link_* >= 0."""
     d = cfg.debug
     _require(is_number(d.link_gbps) and d.link_gbps >= 0 and is_number(d.link_latency_us) and d.link_latency_us >= 0,
              f"debug.link_gbps and debug.link_latency_us must be numbers >= 0 (0 = off), got {d.link_gbps!r} and "
@@ -78,8 +78,11 @@ def check_overlap(cfg: Config) -> None:
         return
     why = ("model.arch is llama3, which has no all-to-all to hide" if m.arch != "deepseek_v3" else
            "parallel.ep is 1: there is no all-to-all to hide" if p.ep == 1 else
-           "parallel.schedule is gpipe: at pp > 1 the overlapped pairs are 1F1B's (set parallel.schedule=1f1b)"
-           if p.pp > 1 and p.schedule != "1f1b" else
+           "parallel.schedule is gpipe: at pp > 1 the overlapped pairs are interleaved 1F1B's" if p.pp > 1 and
+           p.schedule != "1f1b" else
+           "parallel.pp > 1 and parallel.virtual_stages is 1: plain 1F1B's overlapped pairs would make neighbouring "
+           "stages wait for each other's whole pair, half the steady state's speed (set parallel.virtual_stages >= 2 "
+           "for interleaved 1F1B)" if p.pp > 1 and p.virtual_stages == 1 else
            "parallel.tp or parallel.cp > 1: the overlapped executor runs without tensor or context parallelism"
            if p.tp > 1 or p.cp > 1 else
            "train.compile is true: the overlapped stages run eager (train.compile: auto turns it off)"

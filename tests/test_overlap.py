@@ -8,7 +8,7 @@ from moe_trainer.config import ConfigError
 from moe_trainer.resolve import load_config
 
 STEPS = ["train.max_steps=2"]
-# pp 2 x ep 2 on 4 ranks, 4 micro-batches of 2 (steady 1F1B pairs on both stages), one MTP depth
+# pp 2 x ep 2 on 4 ranks, 4 micro-batches of 2, one MTP depth
 PP2 = ["parallel.pp=2", "parallel.ep=2", "model.num_nextn_predict_layers=1", "train.global_batch_size=16"]
 
 
@@ -24,13 +24,8 @@ def _compare(tmp_path, world: int, overrides: list[str], with_bytes: bool = True
         out = tmp_path / overlap
         check(launch(world, out, TINY + STEPS + overrides + [f"parallel.overlap={overlap}"]))
         runs[overlap] = out
-    return _same(runs["none"], runs["a2a"], with_bytes)
-
-
-def _same(ref, run, with_bytes: bool) -> tuple[list, list]:
-    """The runs in ref and run: loss and grad norm every step to 1e-6, _exact identical."""
-    assert_same_steps(ref, run, steps=(1, 2), rel=1e-6)
-    blocking, overlapped = read_metrics(ref), read_metrics(run)
+    assert_same_steps(runs["none"], runs["a2a"], steps=(1, 2), rel=1e-6)
+    blocking, overlapped = (read_metrics(runs[k]) for k in ("none", "a2a"))
     for a, b in zip(*(_steps(rows) for rows in (blocking, overlapped))):
         assert _exact(a, with_bytes) == _exact(b, with_bytes) and any(k.startswith("expert.") for k in a)
         assert not with_bytes or any(k.startswith("comm.dispatch") for k in _exact(a, True))
@@ -71,23 +66,16 @@ def test_overlap_matches_blocking_ep4_dedup_capacity_documents(tmp_path):
     assert evals[0] == evals[1] and len(evals[0]) == 1
 
 
-def test_overlap_matches_blocking_pp2_ep2_mtp_plain_and_interleaved(tmp_path):
-    """pp 2 x ep 2 on 4 ranks, 4 layers, 4 micro-batches, one MTP depth (its embeddings carried from the
-    first stage), both auxiliary losses on both stages; point-to-point held to NCCL's rule (the
-    launcher's wrapper). One blocking 1F1B run is the reference of two overlapped runs:
-    - 1F1B: steady (backward, forward) pairs on both stages; every byte count identical too;
-    - interleaved 1F1B (v 2, a layer per virtual stage, the last rank's chunk 0 feeding rank 0's
-      chunk 1) with full recomputation: the same steps as plain 1F1B's (each parameter's gradient
-      summed over the same micro-batches in the same order; the norm's sum over stages in another
-      order, ~1e-7), so it is held to the same 1e-6 and identical expert load, one launch fewer than
-      its own blocking run (byte counts differ: the recomputed MTP block, twice the transfers)."""
-    base = TINY + STEPS + PP2 + ["model.num_hidden_layers=4", "model.seq_aux_loss_alpha=0.01",
-                                 "model.router_z_loss_coef=0.001"]
-    runs = {"none": [], "a2a": [], "a2a_v2": ["parallel.virtual_stages=2", "parallel.recompute=full"]}
-    for name, extra in runs.items():
-        check(launch(4, tmp_path / name, base + extra + [f"parallel.overlap={name.split('_')[0]}"]))
-    for name, with_bytes in (("a2a", True), ("a2a_v2", False)):
-        _hid(_same(tmp_path / "none", tmp_path / name, with_bytes)[1])
+def test_overlap_matches_blocking_pp2_v2_ep2_mtp_full_recompute(tmp_path):
+    """Interleaved 1F1B at pp 2 x v 2 x ep 2 on 4 ranks: 4 layers (one a virtual stage), 4 micro-batches
+    (steady (backward, forward) pairs on both ranks, the last rank's chunk 0 feeding rank 0's chunk 1),
+    one MTP depth (its embeddings carried from the first stage), both auxiliary losses on both stages,
+    full recomputation (byte counts differ: see the ep 2 test); point-to-point held to NCCL's rule
+    (the launcher's wrapper)."""
+    _, overlapped = _compare(tmp_path, 4, PP2 + ["model.num_hidden_layers=4", "parallel.virtual_stages=2",
+                                                 "parallel.recompute=full", "model.seq_aux_loss_alpha=0.01",
+                                                 "model.router_z_loss_coef=0.001"], with_bytes=False)
+    _hid(overlapped)
 
 
 def _hid(rows: list[dict]) -> None:
@@ -100,6 +88,7 @@ def _hid(rows: list[dict]) -> None:
     (["parallel.ep=1"], "parallel.ep is 1"),
     (["model.arch=llama3"], "llama3"),
     (["parallel.ep=2", "parallel.pp=2", "parallel.schedule=gpipe"], "schedule is gpipe"),
+    (["parallel.ep=2", "parallel.pp=2"], "virtual_stages is 1"),
     (["parallel.ep=2", "parallel.cp=2"], "tp or parallel.cp > 1"),
     (["parallel.ep=2", "train.compile=true"], "train.compile is true"),
 ])

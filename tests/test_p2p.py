@@ -132,6 +132,41 @@ def test_overlapped_units_are_deadlock_free_and_pair_independent_operations():
         [[("F", 0, 0)], [("B", 0, 0), ("F", 1, 0)], [("B", 1, 0), ("F", 2, 0)], [("B", 2, 0), ("F", 3, 0)], [("B", 3, 0)]]
 
 
+def makespan(p: int, m: int, v: int, overlap: bool, f: float = 1.0, b: float = 2.0) -> float:
+    """Step time of the schedule's units on p ranks when a forward (of a chunk) takes f and a backward
+    b, transfers are free, and a unit's sends leave when the unit ends (a pair's two operations run
+    interleaved, so both end with the unit)."""
+    units = [schedule_units("1f1b", s, p, m, v, overlap) for s in range(p)]
+    peers = [chunk_peers(s, p, v, list(range(p))) for s in range(p)]
+    ready, pos, clock = {}, [0] * p, [0.0] * p
+    while any(pos[s] < len(units[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            while pos[s] < len(units[s]):
+                unit = units[s][pos[s]]
+                wanted = [_identity(s, t, p) for op in unit for t in needs(op, peers[s])]
+                if not all(w in ready for w in wanted):
+                    break
+                clock[s] = max([clock[s]] + [ready[w] for w in wanted]) + sum(f if op[0] == "F" else b for op in unit)
+                ready.update({_identity(s, t, p): clock[s] for op in unit for t in produces(op, peers[s])})
+                pos[s], moved = pos[s] + 1, True
+        assert moved
+    return max(clock)
+
+
+def test_overlapped_pairs_cost_plain_1f1b_its_pipelining_not_interleaved():
+    """Why parallel.overlap=a2a at pp > 1 needs interleaved 1F1B (resolve.check_overlap): with plain
+    1F1B a stage's pair waits for the next stage's pair (its backward's gradient), which waited for
+    this stage's previous pair (its forward's activations), so neighbouring stages take turns and the
+    steady state runs at half speed; with v >= 2 the warm-up's 2 (p - s - 1) extra forwards keep the
+    ranks apart and the pairs cost the pipeline nothing (as Megatron-Core, which overlaps EP
+    all-to-alls at pp > 1 in its interleaved schedule only)."""
+    for p in (2, 4):
+        assert makespan(p, 16, 1, True) > 1.5 * makespan(p, 16, 1, False), p
+        for v in (2, 3):
+            assert makespan(p, 16, v, True) == makespan(p, 16, v, False), (p, v)
+
+
 def test_the_unbatched_order_deadlocks_under_nccl_rule():
     """The simulation can fail: 1F1B with each transfer issued alone (the executor's order before
     batching) deadlocks as soon as a steady state exists; so does the interleaved order."""
