@@ -1,6 +1,6 @@
 """The overlapped executor (`parallel.overlap: a2a`): one micro-batch's all-to-alls in flight while
-another micro-batch computes, at pp = 1; at pp > 1 the pipeline executor runs 1F1B's steady pairs
-with the same generators (StagedPair; see "At pp > 1" below).
+another micro-batch computes, at pp = 1; at pp > 1 the pipeline executor runs interleaved 1F1B's
+steady pairs with the same generators (StagedPair; see "At pp > 1" below).
 
 Design: Megatron-Core's "combined 1F1B" (its EP A2A overlap), the pairing DualPipe is built on,
 with the gradient-accumulation micro-batches as the pair. The forward of micro-batch i + 1 runs
@@ -16,15 +16,21 @@ Why this and not DualPipe: DualPipe pairs the chunks of a bidirectional pipeline
 and two copies of the model's stages; at pp = 1 the pair is two micro-batches of the same step,
 which is exactly combined 1F1B, and it keeps the optimizer step and the gradients as they are.
 
-At pp > 1 (pipeline.py, plain and interleaved 1F1B): in the steady state each backward is paired
-with the forward that follows it in 1F1B's order (pipeline.schedule_units), another micro-batch's
+At pp > 1 (pipeline.py, interleaved 1F1B): in the steady state each backward is paired with the
+forward that follows it in the schedule's order (pipeline.schedule_units), another micro-batch's
 (or chunk's) on every rank; the pair's forward runs interleaved with the backward through the
 chunk's stages (overlap_model.chunk_stage_functions), and its point-to-point transfers go as one
 unit: both receives before the pair, both sends after it (deadlock-free under NCCL's rule: the
 rendezvous simulation in tests/test_p2p.py). Pairing the forward with the backward after it, as
-Megatron-Core's interleaved units do, would pair the last rank's forward with its own backward.
-Warm-up and cool-down run in today's order, each operation alone through the same stages. This is
-Megatron-Core's combined 1F1B inside a pipeline; DualPipe's bidirectional schedule is not built.
+the interleaved schedule's own units do, would pair the last rank's forward with its own backward.
+Warm-up and cool-down run in today's order, each operation alone through the same stages; the pair
+keeps one more chunk's activations alive than the schedule does. Plain 1F1B is refused
+(resolve.check_overlap): a pair's backward needs the next stage's gradient, which leaves with that
+stage's whole pair, whose forward needed this stage's previous pair; so neighbouring stages take
+turns and the steady state halves its speed (tests/test_p2p.py's makespan model). Interleaved
+1F1B's warm-up runs 2 (p - s - 1) more forwards, which keeps the stages two pairs apart, and its
+pairs cost the pipeline nothing. Megatron-Core likewise overlaps the EP all-to-alls at pp > 1 in
+its interleaved schedule only (combined 1F1B); DualPipe's bidirectional schedule is not built.
 
 The backward is explicit per stage, in reverse: a stage's outputs (and the tensors it sent) get
 their gradients from the next stage's inputs (and, through the reversed all-to-all, from its

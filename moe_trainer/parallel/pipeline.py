@@ -193,7 +193,8 @@ def schedule_units(schedule: str, stage: int, stages: int, micro_batches: int, c
     """The schedule's operations grouped for p2p.comm_plan: one operation per unit, except the
     interleaved 1F1B's steady state, whose forward-backward pairs are one unit each.
 
-    overlap (parallel.overlap=a2a, 1F1B plain or interleaved): the steady state's units are
+    overlap (parallel.overlap=a2a; resolve.check_overlap lets it run with interleaved 1F1B only,
+    see overlap.py, the grouping holds for both): the steady state's units are
     (backward k, the forward after it) pairs, which the executor runs interleaved (overlap.py):
     the same operations in the same order, grouped one forward later than the interleaved units,
     because a steady forward and the backward after it may be one micro-batch's (on the last rank
