@@ -72,12 +72,30 @@ def _tensors(d: dict):
                 yield (k, i), t
 
 
+class _LateGradient(torch.autograd.Function):
+    """A zero scalar hung on a row tensor a stage sends, when it is sent, whose gradient with respect to
+    it is given at the backward (box[0]): the stage record keeps this handle instead of the rows, so
+    they are freed once the all-to-all has them (as the blocking path frees its send buffer), not kept
+    until the micro-batch's backward. Its value is never read, as _OutputGradient's."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, box: list) -> torch.Tensor:
+        ctx.box = box
+        return out.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, scale: torch.Tensor):
+        grad = ctx.box.pop()
+        return grad.mul_(scale), None
+
+
 @dataclass
 class _Stage:
     inputs: dict
     received: tuple
     outputs: dict = field(default_factory=dict)
-    sent: tuple = ()
+    sent: tuple = ()  # per row tensor sent: (its _LateGradient handle, its box), or None (no gradient)
     specs: tuple = ()
     aux: Optional[torch.Tensor] = None
 
@@ -102,10 +120,13 @@ class StagedPair:
             out.append(st)
             if outbound is None:
                 break
-            st.sent, st.specs = outbound
-            flights = [issue(t, o, i, self.group, self.counter, kind) for t, (o, i, kind) in zip(st.sent, st.specs)]
+            sent, st.specs = outbound
+            flights = [issue(t, o, i, self.group, self.counter, kind) for t, (o, i, kind) in zip(sent, st.specs)]
+            st.sent = tuple((_LateGradient.apply(t, box), box) if t.requires_grad else None
+                            for t, box in ((t, []) for t in sent))
+            del sent, outbound
             yield
-            received = tuple(f.wait().requires_grad_(t.requires_grad) for f, t in zip(flights, st.sent))
+            received = tuple(f.wait().requires_grad_(h is not None) for f, h in zip(flights, st.sent))
             inputs = st.outputs
         out.append(out[-1].outputs["out"])
 
@@ -134,7 +155,10 @@ class StagedPair:
                         through[key] = g
                     else:
                         terms.append(_OutputGradient.apply(t, g))
-                terms += [_OutputGradient.apply(t, g) for t, g in zip(st.sent, sent_grads) if t.requires_grad]
+                for h, g in zip(st.sent, sent_grads):
+                    if h is not None:
+                        h[1].append(g)
+                        terms.append(h[0])
                 if st.aux is not None:
                     terms.append(st.aux / self.m)
                 if terms:
