@@ -176,6 +176,9 @@ class ParallelConfig:
     # (whenever the search finds another placement) | rotate (a drill: every expert moves each time)
     replace_every: int = 0
     replace_policy: str = "auto"
+    # redundant slots per EP rank (with replace_every): copies of other ranks' busy experts, routed to like
+    # their owners; weights refreshed once per optimizer step, gradients sent to the owner each backward
+    redundant_slots: int = 0
 
 
 @dataclass
@@ -472,6 +475,13 @@ def validate(cfg: Config) -> None:
     _require(p.replace_every >= 0, f"parallel.replace_every must be >= 0 (0 = off), got {p.replace_every}.")
     _require(p.replace_every == 0 or p.ep > 1,
              f"parallel.replace_every ({p.replace_every}) moves experts between EP ranks; it needs parallel.ep > 1.")
+    _require(p.redundant_slots == 0 or (p.replace_every > 0 and 0 < p.redundant_slots <= m.n_routed_experts // p.ep),
+             f"parallel.redundant_slots ({p.redundant_slots}) are copies placed by the online re-placement: they "
+             f"need parallel.replace_every > 0 and at most n_routed_experts / ep "
+             f"({m.n_routed_experts // max(1, p.ep)}) a rank.")
+    _require(p.redundant_slots == 0 or cfg.train.compile is not True,
+             "parallel.redundant_slots > 0 runs the MoE layers eager (the copies' gradient exchange is not traced); "
+             "set train.compile to auto or false.")
     _require(p.replace_every == 0 or p.expert_placement in ("none", "auto"),
              f"parallel.replace_every places the experts itself; set parallel.expert_placement to none, not "
              f"{p.expert_placement}.")

@@ -153,7 +153,7 @@ class Trainer:
         self.slots, self.replacer = None, None  # slot-owned experts that move (parallel.replace_every)
         if cfg.parallel.replace_every:
             self.slots = SlotExperts(self.expert_load.moe, len(self.expert_load.layer_ids), cfg.model.n_routed_experts,
-                                     mesh)
+                                     mesh, cfg.parallel.redundant_slots, device)
         self.loss_keys = loss_keys(cfg.model)
         self.step = 0
         self.peak, self.peak_source = peak_tflops(cfg.metrics.peak_tflops, self.dtype, device)

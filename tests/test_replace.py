@@ -45,12 +45,50 @@ def test_keep_in_place_moves_the_fewest_experts():
     assert sl.moved_experts(old, row, 2) == [1, 1]
 
 
+def test_copies_refresh_tables_pair_up_and_copy_slots_balance():
+    """Redundant slots: each rank's copies arrive from their owners in the order the owners send them
+    (the refresh and, reversed, the gradients); the greedy fill copies the hot experts to the least
+    loaded ranks, never onto their own rank, and lowers the busiest rank's load."""
+    import torch
+    row, ep = [5, 1, 7, 0, 2, 4, 3, 6], 4  # owned slots: rank r holds row[2r:2r+2]
+    copies = [7, -1, 5, 1, 3, -1, 0, 2]  # one or two copies a rank, -1 empty
+    tables = [sl._cache_tables(row, copies, ep, r) for r in range(ep)]
+    for r, (_, _, recv_splits, slot_index) in enumerate(tables):
+        got = []
+        for src in range(ep):
+            send_index, send_splits = tables[src][0], tables[src][1]
+            lo = sum(send_splits[:r])
+            rows = send_index[lo:lo + send_splits[r]].tolist()
+            assert len(rows) == recv_splits[src]
+            got += [row[src * 2 + i] for i in rows]  # the experts src sends to r, in its order
+        mine = [e for e in copies[r * 2:r * 2 + 2]]
+        owned = row[r * 2:r * 2 + 2]
+        slots = owned + [(owned + got)[slot_index[2 + j]] if e >= 0 else -1 for j, e in enumerate(mine)]
+        assert slots[2:] == mine and slots[:2] == owned
+    with pytest.raises(ValueError, match="distinct expert ids of other ranks"):
+        sl.check_replicas(row, [5, -1, 5, 1, 3, -1, 0, 2], ep)  # rank 0 copying its own expert 5
+    load = torch.tensor([100.0, 1, 1, 1, 1, 1, 1, 1])  # expert 0 (on rank 1) takes almost every token
+    home = sl.home_row(8)
+    filled = sl.copy_slots(load, home, ep, 1)
+    assert 0 in filled and filled[0] != 0 and all(e < 0 or e not in home[q * 2:q * 2 + 2]
+                                                  for q, e in enumerate(filled))
+    before, after = sl.rank_loads(load, home, ep), sl.rank_loads(load, home, ep, filled)
+    assert float(after.sum()) == pytest.approx(float(before.sum()))
+    assert float(after.max()) < float(before.max()) / 2  # expert 0's tokens over 3 or more ranks
+
+
 @pytest.mark.parametrize("sets, needle", [
     (["parallel.replace_every=-1"], "parallel.replace_every must be >= 0"),
     (["parallel.replace_every=2"], "it needs parallel.ep > 1"),
     (["parallel.replace_every=2", "parallel.ep=2", "parallel.expert_placement=plan.json"],
      "set parallel.expert_placement to none"),
     (["parallel.replace_policy=often"], "parallel.replace_policy must be one of auto, always, rotate"),
+    (["parallel.redundant_slots=1", "parallel.ep=2"], "need parallel.replace_every > 0"),
+    (["parallel.redundant_slots=5", "parallel.ep=2", "parallel.replace_every=2"], "at most n_routed_experts / ep"),
+    (["parallel.redundant_slots=1", "parallel.ep=2", "parallel.replace_every=2", "parallel.overlap=a2a"],
+     "copies' gradients travel in a blocking exchange"),
+    (["parallel.redundant_slots=1", "parallel.ep=2", "parallel.replace_every=2", "train.compile=true"],
+     "runs the MoE layers eager"),
 ])
 def test_bad_replace_settings_give_one_sentence(sets, needle):
     with pytest.raises(ConfigError, match=needle) as err:
@@ -62,15 +100,19 @@ def test_bad_replace_settings_give_one_sentence(sets, needle):
 
 def test_moving_experts_equal_the_unmoved_run_through_resume(tmp_path, moe_reference):
     """pp 2 x ep 2 (world 4) moves every expert of both stages after steps 1, 2 and 3 (steps 2 and 3 run
-    on moved experts), saves at step 3 after the third move, and resumes at ep 4 (world 4), moving after
-    step 4 (none after the last step): loss and grad norm at every step equal the 1-rank run's (fp32,
-    1e-5), and so do the final weights (saved under expert ids after a move)."""
+    on moved experts), saves at step 3 after the third move, and resumes at ep 4 (world 4) with one
+    redundant slot a rank, moving and copying after step 4 (step 5 routes to the copies; none after the
+    last step): loss and grad norm at every step equal the 1-rank run's (fp32, 1e-5), and so do the
+    final weights (saved under expert ids after a move, the copies checked first)."""
     out = tmp_path / "run"
     drill = ["parallel.replace_every=1", "parallel.replace_policy=rotate", "train.dtype=fp32", "train.resume=auto"]
     check(launch(4, out, TINY + MOE_STEPS + drill + ["parallel.ep=2", "parallel.pp=2", "train.stop_at_step=3"],
                  launcher="torchrun"))
-    proc = check(launch(4, out, TINY + MOE_STEPS + drill + ["parallel.ep=4"], launcher="torchrun"))
+    proc = check(launch(4, out, TINY + MOE_STEPS + drill + ["parallel.ep=4", "parallel.redundant_slots=1"],
+                        launcher="torchrun"))
     assert "resumed from" in proc.stdout
+    # the copies in the redundant slots, checked bit for bit against their owners before the step-5 save
+    assert "redundant slots: 8 expert copies bit-identical to their owners" in proc.stdout
     assert_same_steps(moe_reference, out, rel=1e-5)
     assert_same_final_weights(moe_reference, out)
     rows = read_metrics(out)
@@ -78,6 +120,7 @@ def test_moving_experts_equal_the_unmoved_run_through_resume(tmp_path, moe_refer
     assert [r["step"] for r in events] == [1, 2, 3, 4] and all(r["decision"] == "apply" for r in events)
     # rows really crossed ranks (had the tables changed without them, the losses would differ)
     assert all(r["moved_bytes_rank"] > 0 and r["moved_experts"] > 0 for r in events)
+    assert [r["copies"] for r in events] == [0, 0, 0, 8]  # then 2 MoE layers x ep 4 x 1 slot
 
 
 def test_replacement_balances_skewed_routing(tmp_path):

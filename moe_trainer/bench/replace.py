@@ -1,7 +1,7 @@
 """Online expert re-placement (parallel.replace_every) under skewed routing: step time with it on and off.
 
     python -m moe_trainer.bench.replace [--rounds 3] [--steps 24] [--every 8] [--skew 0.3] [--world 2]
-                                        [--out FILE.json]
+                                        [--redundant R] [--out FILE.json]
 
 moe_tiny (16 routed experts, top-4 of 4 groups, 3 MoE layers) at ep = world (2 CPU ranks by default),
 fp32, its balancing biases skewed on purpose (debug.route_skew, expert 0 favoured most, bias updates
@@ -12,7 +12,10 @@ of the steps after the first re-placement decision (steps > every + 1: both runs
 steps), the mean measured share of the busiest EP rank (expert.rank_max_over_mean) over those steps,
 and for `on` every `event: replace` row (decision, bytes moved, wall time). Printed: per round the
 off/on step-time ratio, and their median with min-max; the bytes and wall time of a re-placement and
-its wall time amortised over `every` steps as a share of the `on` step time.
+its wall time amortised over `every` steps as a share of the `on` step time. With --redundant R a
+third run per round, `copies` (on, plus R redundant slots a rank: parallel.redundant_slots), follows
+`on`, and its off/copies ratio, busiest share and the copies' per-step traffic (refresh and gradients,
+comm.expert_copies*) are printed too.
 """
 from __future__ import annotations
 
@@ -31,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/moe_tiny.yaml"
 
 
-def run(world: int, out: Path, steps: int, every: int, skew: float) -> list[dict]:
-    sets = [f"train.max_steps={steps}", "train.eval_every=0", "train.checkpoint_every=0", "train.resume=none",
+def run(world: int, out: Path, steps: int, every: int, skew: float, redundant: int = 0) -> list[dict]:
+    sets = [f"parallel.redundant_slots={redundant}", f"train.max_steps={steps}", "train.eval_every=0", "train.checkpoint_every=0", "train.resume=none",
             "train.log_every=1", "train.dtype=fp32", f"parallel.ep={world}", f"debug.route_skew={skew}",
             "model.bias_update_speed=0", f"parallel.replace_every={every}", f"run.out_dir={out}",
             "metrics.peak_tflops=1.0"]
@@ -50,6 +53,10 @@ def summary(rows: list[dict], every: int) -> dict:
     timed = [r for r in rows if "loss" in r and r["step"] > every + 1]
     return {"step_s": statistics.median(r["step_time_last_s"] for r in timed),
             "share": statistics.mean(r["expert.rank_max_over_mean"] for r in timed),
+            "copies_s": statistics.median(r.get("comm.expert_copies_s", 0.0) + r.get("comm.expert_copies_grad_s", 0.0)
+                                          for r in timed),
+            "copies_bytes": statistics.median(r.get("comm.expert_copies_sent_bytes", 0) +
+                                              r.get("comm.expert_copies_grad_sent_bytes", 0) for r in timed),
             "events": [r for r in rows if r.get("event") == "replace"]}
 
 
@@ -60,6 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=8)
     ap.add_argument("--skew", type=float, default=0.3)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--redundant", type=int, default=0)
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     results = []
@@ -68,9 +76,15 @@ def main(argv=None) -> int:
             off = summary(run(a.world, Path(tmp) / f"off{i}", a.steps, 0, a.skew), a.every)
             on = summary(run(a.world, Path(tmp) / f"on{i}", a.steps, a.every, a.skew), a.every)
             results.append({"off": off, "on": on, "ratio": off["step_s"] / on["step_s"]})
-            print(f"round {i + 1}: off {off['step_s'] * 1e3:.0f} ms (busiest rank {off['share']:.2f}x mean), "
-                  f"on {on['step_s'] * 1e3:.0f} ms ({on['share']:.2f}x), off/on {results[-1]['ratio']:.3f}",
-                  flush=True)
+            line = (f"round {i + 1}: off {off['step_s'] * 1e3:.0f} ms (busiest rank {off['share']:.2f}x mean), "
+                    f"on {on['step_s'] * 1e3:.0f} ms ({on['share']:.2f}x), off/on {results[-1]['ratio']:.3f}")
+            if a.redundant:
+                copies = summary(run(a.world, Path(tmp) / f"copies{i}", a.steps, a.every, a.skew, a.redundant),
+                                 a.every)
+                results[-1].update(copies=copies, copies_ratio=off["step_s"] / copies["step_s"])
+                line += (f", copies {copies['step_s'] * 1e3:.0f} ms ({copies['share']:.2f}x), "
+                         f"off/copies {results[-1]['copies_ratio']:.3f}")
+            print(line, flush=True)
     ratios = [r["ratio"] for r in results]
     applied = [e for r in results for e in r["on"]["events"] if e["decision"] == "apply"]
     kept = [e for r in results for e in r["on"]["events"] if e["decision"] == "keep"]
@@ -86,6 +100,15 @@ def main(argv=None) -> int:
           f"moved over all EP ranks, {wall * 1e3:.1f} ms wall; amortised over {a.every} steps "
           f"{100 * wall / (a.every * on_step):.2f}% of the on step time; a decision that keeps: {decide * 1e3:.1f} ms "
           f"({100 * decide / (a.every * on_step):.2f}%)")
+    if a.redundant:
+        cr = [r["copies_ratio"] for r in results]
+        c_step = statistics.median(r["copies"]["step_s"] for r in results)
+        c_s = statistics.median(r["copies"]["copies_s"] for r in results)
+        c_b = statistics.median(r["copies"]["copies_bytes"] for r in results)
+        print(f"with {a.redundant} redundant slot(s) a rank: step time off/copies median {statistics.median(cr):.3f} "
+              f"(min {min(cr):.3f}, max {max(cr):.3f}); busiest EP rank / mean "
+              f"{statistics.mean(r['copies']['share'] for r in results):.2f}; the copies' refresh and gradients "
+              f"{c_b / 2 ** 10:.0f} KiB sent a rank a step, {c_s * 1e3:.1f} ms ({100 * c_s / c_step:.2f}% of the step)")
     if a.out:
         Path(a.out).write_text(json.dumps({"args": vars(a), "rounds": results}, indent=1))
     return 0

@@ -33,8 +33,13 @@ micro-batch and MoE layer: each rank receives its foreign experts' weights once
 (however many of their replicas it hosts) and sends as many gradient rows back,
 and holds its S slots' weights until backward.
 With slot-owned experts (`parallel.replace_every`, slots.py) the placement is
-`owned`: each of a rank's S = E / ep slots IS a row of its expert parameters,
-so tokens are routed to slots the same way and nothing is fetched.
+`owned`: each of a rank's E / ep owned slots IS a row of its expert parameters,
+so tokens are routed to slots the same way and nothing is fetched. Redundant
+slots (`parallel.redundant_slots`) hold copies of other ranks' experts: their
+weights are a cache refreshed once per optimizer step (refresh_cache, one
+all-to-all of weight rows), and each backward sends the copies' gradients to
+the owners (_CopyRows), so an expert has one set of parameters and optimizer
+state however many copies route tokens.
 Token rows, dedup metadata and expert weights travel as ONE autograd node
 (`_AllToAllGroup`), so backward enters the collectives in the same order on
 every rank.
@@ -124,6 +129,27 @@ class _DedupCtx:
     n_tokens: int
 
 
+class _CopyRows(torch.autograd.Function):
+    """The redundant slots' copies as a function of their owners' weights: forward returns the cache (the
+    owners' rows as of the last refresh, which is every optimizer step), backward sends each copy's
+    gradient to its owner, where it is summed into the owned row (one all-to-all over the EP group, the
+    refresh's reversed). Every rank of the group makes this node in the same place of the same layer, so
+    backward (reverse creation order) enters the collective in the same order everywhere."""
+
+    @staticmethod
+    def forward(ctx, w1, w2, cache, p: LayerPlacement, group, counter):
+        ctx.p, ctx.group, ctx.counter, ctx.shapes = p, group, counter, (w1.shape, w2.shape)
+        return cache.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, (s1, s2) = ctx.p, ctx.shapes
+        back = _exchange(grad, p.send_splits, p.recv_splits, ctx.group, ctx.counter, "expert_copies_grad")
+        rows = grad.new_zeros((s1[0], grad.shape[1])).index_add_(0, p.send_index, back)
+        split = s1[1:].numel()
+        return rows[:, :split].reshape(s1), rows[:, split:].reshape(s2), None, None, None, None
+
+
 class AllToAllDispatcher:
     """Same interface as LocalDispatcher; experts receive rows grouped by local expert, or by local
     physical slot under a placement plan (then `experts`, the layer's experts module, is required:
@@ -134,14 +160,19 @@ class AllToAllDispatcher:
                  placement: Optional[LayerPlacement] = None, experts: Optional[Experts] = None):
         self.n_experts, self.ep, self.group = n_experts, ep, group
         self.placement, self.experts = placement, experts
-        # destinations per rank: experts, or the plan's physical slots
-        self.n_local = placement.slots_per_rank if placement is not None else n_experts // ep
+        self.cache: Optional[torch.Tensor] = None  # redundant slots' copies (slot-owned experts), refresh_cache
         self.capacity_factor = capacity_factor
         self.counter = counter
         self.dedup = dedup
         self.kernels = kernels.backend()
         if placement is not None and experts is None:
             raise ValueError("a placement needs the experts module whose weights it replicates")
+
+    @property
+    def n_local(self) -> int:
+        """Destinations per rank: experts, or the placement's physical slots (which a re-placement may
+        change between steps: parallel/slots.py)."""
+        return self.placement.slots_per_rank if self.placement is not None else self.n_experts // self.ep
 
     def _mark(self):
         return self.counter.mark() if self.counter is not None and not traced() else None
@@ -253,7 +284,30 @@ class AllToAllDispatcher:
         out = list(out)
         received = out.pop(0)
         meta = out.pop(0) if meta else None
-        return received, meta, self._slot_weights(out[0]) if self._fetched() is not None else None
+        if self._fetched() is not None:
+            return received, meta, self._slot_weights(out[0])
+        if self.placement is not None and self.placement.cached:
+            return received, meta, self._slot_weights(self._copies())
+        return received, meta, None
+
+    def refresh_cache(self) -> int:
+        """The redundant slots' copies made their owners' weights now (slot-owned experts with copies, once
+        per optimizer step and after a move): one all-to-all of weight rows. Returns the bytes sent."""
+        p = self.placement.on(self.experts.gate_up_proj.device)
+        with torch.no_grad():
+            rows = self._weight_rows()
+            self.cache = _exchange(rows, p.recv_splits, p.send_splits, self.group, self.counter, "expert_copies")
+        return rows.numel() * rows.element_size()
+
+    def _copies(self) -> torch.Tensor:
+        """This rank's copies (received rows) for the forward: no exchange; backward sends their
+        gradients to the owners (_CopyRows)."""
+        if self.cache is None:
+            raise RuntimeError("the redundant slots' copies were not refreshed after the placement changed "
+                               "(SlotExperts.refresh)")
+        p = self.placement.on(self.cache.device)
+        return _CopyRows.apply(self.experts.gate_up_proj, self.experts.down_proj, self.cache, p, self.group,
+                               self.counter)
 
     def _weight_rows(self) -> torch.Tensor:
         """(sent experts, 3 * H * d): this rank's experts that other ranks' slots need, destination-major."""

@@ -13,9 +13,10 @@ rank, and derives what each rank must fetch: `LayerPlacement`. The dispatcher
 (parallel/expert.py) uses it to route tokens to physical slots and to fetch the
 weights of its slots' foreign experts every forward.
 
-This fetching mode is the one with redundant slots. Without them, `parallel.replace_every`
-(slots.py) makes the experts own their slots instead: a placement then moves weights and optimizer
-state between ranks at a step boundary, and nothing is fetched per forward.
+This fetching mode serves `parallel.expert_placement` plans. `parallel.replace_every` (slots.py) makes
+the experts own their slots instead: a placement then moves weights and optimizer state between ranks
+at a step boundary, nothing is fetched per forward, and redundant slots hold copies refreshed once per
+step (`parallel.redundant_slots`).
 """
 from __future__ import annotations
 
@@ -84,8 +85,10 @@ class LayerPlacement:
     slot_index: torch.Tensor  # (S,) row of [local experts; received experts] each of my slots computes with
     gpu_to_rank: list[int]  # plan GPU g is hosted by EP rank gpu_to_rank[g]
     # slot-owned experts (parallel/slots.py): slot s of this rank is row s of its expert parameters, so
-    # no weights are fetched (send/recv splits are zeros, slot_index the identity)
+    # no weights are fetched (send/recv splits are zeros, slot_index the identity), except with redundant
+    # slots: then `cached` is set and send/recv/slot_index describe the copies refreshed once per step
     owned: bool = False
+    cached: bool = False
 
     @property
     def n_slots(self) -> int:

@@ -18,6 +18,17 @@ and only their contents move. Gradient-accumulation buffers hold nothing at a st
 (BF16_Optimizer.step ends in clear_hp_grads, ZeRO-1's step in zero_grad), so none moves. Slots
 whose expert stays on its rank keep their place; the rank's free slots take the arriving experts.
 
+Redundant slots (`parallel.redundant_slots` r a rank): copies of other ranks' experts that tokens are
+routed to like their owners (a sender's own copy first, else round-robin over the expert's slots). A
+copy is not a parameter: its weights are a cache that every rank refreshes after each optimizer step
+and each move (one all-to-all of weight rows per layer with copies, `refresh`), and its gradients go
+back to the owner in each backward (expert.py _CopyRows), where autograd sums them into the one owned
+row. So an expert has one set of weights, fp32 master and moments however many copies it has: they
+cannot drift apart, ZeRO's flat buffers and the gradient norm are those of the run without copies,
+and a copy costs its weights (no 12 bytes a parameter of optimizer state). The price is the copies'
+gradient rows every micro-batch; a saved checkpoint first checks every copy bit for bit against its
+owner. The search fills the copies greedily (copy_slots) after placing the owned slots.
+
 Checkpoints stay keyed by expert id: a save moves every expert home first and back after
 (`at_home`), a load resets the tables to home (the loaded rows are in id order).
 
@@ -41,6 +52,7 @@ import torch.distributed as dist
 
 from ..moe.placement import rebalance_experts
 from .comm import all_to_all_rows
+from ..moe.placement import replica_candidates
 from .replicas import LayerPlacement
 
 POLICIES = ("auto", "always", "rotate")
@@ -51,17 +63,101 @@ def home_row(n_experts: int) -> list[int]:
     return list(range(n_experts))
 
 
-def owned_placement(row: list[int], ep: int, rank: int) -> LayerPlacement:
-    """The dispatcher's tables for slot-owned experts: expert row[q] in slot q, no weight fetched."""
+def slot_row(row: list[int], replicas: Optional[list[int]], ep: int) -> list[int]:
+    """Every EP rank's slots in global order: its S0 = E / ep owned slots (`row`), then its r redundant
+    slots (`replicas`, ep * r expert ids, -1 = empty); the redundant slots are left out where the layer
+    holds no copy at all (the dispatcher then sees S0 slots a rank, as without them)."""
+    if not replicas or all(e < 0 for e in replicas):
+        return list(row)
+    s0, r = len(row) // ep, len(replicas) // ep
+    return [e for q in range(ep) for e in row[q * s0:(q + 1) * s0] + replicas[q * r:(q + 1) * r]]
+
+
+def check_replicas(row: list[int], replicas: list[int], ep: int) -> None:
+    """A rank's redundant slots hold distinct experts owned by other ranks (ValueError otherwise)."""
+    s0, r = len(row) // ep, len(replicas) // ep
+    for q in range(ep):
+        copies = [e for e in replicas[q * r:(q + 1) * r] if e >= 0]
+        own = set(row[q * s0:(q + 1) * s0])
+        if len(set(copies)) != len(copies) or own.intersection(copies) or \
+                any(not 0 <= e < len(row) for e in copies):
+            raise ValueError(f"EP rank {q}'s redundant slots {replicas[q * r:(q + 1) * r]} must hold distinct "
+                             f"expert ids of other ranks (it owns {sorted(own)})")
+
+
+def _cache_tables(row: list[int], replicas: list[int], ep: int, rank: int):
+    """What `rank` sends and receives to refresh every rank's copies: (send_index, send_splits, recv_splits,
+    slot_index), the forms a fetching LayerPlacement uses (replicas.py), with an expert's owner in place of
+    its home. Rows of one pair of ranks are in ascending expert id on both sides."""
+    s0, r = len(row) // ep, len(replicas) // ep
+    owner = {e: q for q, e in enumerate(row)}  # expert -> its owned global slot
+
+    def copies(d):  # experts rank d copies, in ascending id
+        return sorted(e for e in replicas[d * r:(d + 1) * r] if e >= 0)
+    send = [[owner[e] % s0 for e in copies(d) if owner[e] // s0 == rank] for d in range(ep)]
+    mine = sorted(copies(rank), key=lambda e: (owner[e] // s0, e))  # received source-major
+    recv_splits = [sum(1 for e in mine if owner[e] // s0 == src) for src in range(ep)]
+    # slot -> row of [owned rows; received copies]; an empty slot takes row 0 (it is routed no token)
+    slot_index = list(range(s0)) + [s0 + mine.index(e) if e >= 0 else 0 for e in replicas[rank * r:(rank + 1) * r]]
+    return (torch.tensor([i for x in send for i in x], dtype=torch.int64), [len(x) for x in send], recv_splits,
+            torch.tensor(slot_index, dtype=torch.int64))
+
+
+def owned_placement(row: list[int], ep: int, rank: int, replicas: Optional[list[int]] = None) -> LayerPlacement:
+    """The dispatcher's tables for slot-owned experts: expert row[q] in owned slot q, no weight fetched per
+    forward; with redundant slots (`replicas`) a copy routed to an expert takes one of its slots (its
+    owner's, or a copy on the sender's rank if it has one, else round-robin), and the copies' weights
+    are the cache each rank refreshes once per step (expert.py)."""
     n = len(row)
-    slot_of = [0] * n
-    for q, e in enumerate(row):
-        slot_of[e] = q
-    # one candidate per expert, its slot (what replica_candidates gives a permutation, built on the host)
-    cand, count = torch.tensor(slot_of, dtype=torch.int64)[:, None], torch.ones(n, dtype=torch.int64)
-    return LayerPlacement(torch.tensor(row, dtype=torch.int64), n // ep, rank, cand, count,
-                          torch.zeros(0, dtype=torch.int64), [0] * ep, [0] * ep, torch.arange(n // ep),
-                          list(range(ep)), owned=True)
+    slots = slot_row(row, replicas, ep)
+    per_rank = len(slots) // ep
+    cand, count = replica_candidates(torch.tensor(slots, dtype=torch.int64), rank, per_rank, n)
+    if per_rank == n // ep:  # no copy: nothing is fetched, slot s is parameter row s
+        return LayerPlacement(torch.tensor(slots, dtype=torch.int64), per_rank, rank, cand, count,
+                              torch.zeros(0, dtype=torch.int64), [0] * ep, [0] * ep, torch.arange(per_rank),
+                              list(range(ep)), owned=True)
+    check_replicas(row, replicas, ep)
+    send_index, send_splits, recv_splits, slot_index = _cache_tables(row, replicas, ep, rank)
+    return LayerPlacement(torch.tensor(slots, dtype=torch.int64), per_rank, rank, cand, count, send_index,
+                          send_splits, recv_splits, slot_index, list(range(ep)), owned=True, cached=True)
+
+
+def copy_slots(load: torch.Tensor, row: list[int], ep: int, r: int) -> list[int]:
+    """Fill the r redundant slots of each EP rank for one layer (ep * r ids, -1 = left empty): greedily,
+    the busiest rank's expert with the most tokens per copy gains a copy on the least loaded rank that
+    has a free slot and no copy of it, while that lowers the busiest rank's load (an expert's tokens
+    split evenly over its copies, as the dispatcher's round-robin spreads them)."""
+    s0 = len(row) // ep
+    holders = {e: [q // s0] for q, e in enumerate(row)}
+    replicas, free = [-1] * (ep * r), [list(range(q * r, (q + 1) * r)) for q in range(ep)]
+    w = load.double().tolist()
+
+    def loads():
+        out = [0.0] * ep
+        for e, hs in holders.items():
+            for q in hs:
+                out[q] += w[e] / len(hs)
+        return out
+    while True:
+        cur = loads()
+        busiest = max(range(ep), key=lambda q: cur[q])
+        best = None
+        for e in sorted((e for e, hs in holders.items() if busiest in hs), key=lambda e: -w[e] / len(holders[e])):
+            targets = [q for q in range(ep) if free[q] and q not in holders[e]]
+            if not targets:
+                continue
+            t = min(targets, key=lambda q: cur[q])
+            holders[e].append(t)
+            after = max(loads())
+            holders[e].pop()
+            if after < cur[busiest] * (1 - 1e-9):
+                best = (e, t)
+                break
+        if best is None:
+            return replicas
+        e, t = best
+        holders[e].append(t)
+        replicas[free[t].pop(0)] = e
 
 
 def moves(old: list[int], new: list[int], ep: int, rank: int):
@@ -119,9 +215,20 @@ def keep_in_place(plan: list[int], old: list[int], ep: int) -> list[int]:
     return row
 
 
-def rank_loads(load: torch.Tensor, row: list[int], ep: int) -> torch.Tensor:
-    """(ep,) load of each EP rank for one layer's expert load (E,) under placement `row`."""
-    return load[torch.tensor(row)].view(ep, -1).sum(1)
+def rank_loads(load: torch.Tensor, row: list[int], ep: int, replicas: Optional[list[int]] = None) -> torch.Tensor:
+    """(ep,) load of each EP rank for one layer's expert load (E,) under placement `row` (with copies in
+    `replicas`, an expert's load split evenly over its slots)."""
+    slots = torch.tensor(slot_row(row, replicas, ep))
+    held = slots >= 0
+    copies = torch.zeros(load.numel(), dtype=load.dtype).index_add_(0, slots[held], torch.ones(int(held.sum()),
+                                                                                                dtype=load.dtype))
+    per_slot = torch.where(held, load[slots.clamp(min=0)] / copies[slots.clamp(min=0)], torch.zeros((), dtype=load.dtype))
+    return per_slot.view(ep, -1).sum(1)
+
+
+def n_copy_layers(copies: list[list[int]]) -> int:
+    """MoE layers with at least one copy."""
+    return sum(1 for c in copies if any(e >= 0 for e in c))
 
 
 def _imbalance(loads: list[torch.Tensor]) -> float:
@@ -131,38 +238,72 @@ def _imbalance(loads: list[torch.Tensor]) -> float:
 
 
 class SlotExperts:
-    """This stage's MoE layers as slots (`layers`: (global row, MoE module), rows in global order) and
-    the placement of every MoE layer of the model (`rows`)."""
+    """This stage's MoE layers as slots (`layers`: (global row, MoE module), rows in global order), the
+    placement of every MoE layer of the model (`rows`, owned slots) and its copies in the r redundant
+    slots of each EP rank (`copies`, ep * r ids a layer, -1 = empty)."""
 
-    def __init__(self, layers: list, n_layers: int, n_experts: int, mesh):
+    def __init__(self, layers: list, n_layers: int, n_experts: int, mesh, redundant: int = 0,
+                 device: torch.device = torch.device("cpu")):
         self.layers, self.mesh = layers, mesh
         self.ep, self.rank = mesh.layout.ep, mesh.index("ep")
-        self.n_experts = n_experts
+        self.n_experts, self.redundant = n_experts, redundant
+        self.device = device  # where the world's collectives take their tensors (NCCL: the rank's GPU)
         self.rows = [home_row(n_experts) for _ in range(n_layers)]
+        self.copies = [self.no_copies() for _ in range(n_layers)]
 
-    def set_tables(self, rows: list[list[int]]) -> None:
-        """The dispatchers route by `rows` (no contents move): home is the plain dispatcher path."""
+    def no_copies(self) -> list[int]:
+        return [-1] * (self.ep * self.redundant)
+
+    def set_tables(self, rows: list[list[int]], copies: Optional[list[list[int]]] = None) -> None:
+        """The dispatchers route by `rows` and `copies` (no contents move; the copies' caches are filled
+        by refresh): home without copies is the plain dispatcher path."""
         self.rows = [list(r) for r in rows]
+        self.copies = [list(c) for c in copies] if copies is not None else [self.no_copies() for _ in rows]
         for i, layer in self.layers:
-            home = self.rows[i] == home_row(self.n_experts)
-            layer.dispatcher.placement = None if home else owned_placement(self.rows[i], self.ep, self.rank)
+            plain = self.rows[i] == home_row(self.n_experts) and all(e < 0 for e in self.copies[i])
+            layer.dispatcher.placement = None if plain else owned_placement(self.rows[i], self.ep, self.rank,
+                                                                           self.copies[i])
+            layer.dispatcher.cache = None
 
     def reset_home(self) -> None:
         self.set_tables([home_row(self.n_experts) for _ in self.rows])
 
     @torch.no_grad()
-    def apply(self, rows: list[list[int]], engine) -> int:
+    def refresh(self) -> int:
+        """Every copy in a redundant slot made its owner's weights again (after an optimizer step or a move):
+        one all-to-all of weight rows over the EP group per MoE layer with copies (the same layers on every
+        rank of the group). Returns the bytes this rank sent."""
+        return sum(layer.dispatcher.refresh_cache() for _, layer in self.layers
+                   if layer.dispatcher.placement is not None and layer.dispatcher.placement.cached)
+
+    @torch.no_grad()
+    def replica_mismatch(self) -> int:
+        """Redundant slots whose weights differ (bit for bit) from their owner's now, over this rank's layers:
+        a fresh copy of every owned row is fetched and compared with the cache (collective, as refresh)."""
+        bad = 0
+        for _, layer in self.layers:
+            d = layer.dispatcher
+            if d.placement is None or not d.placement.cached:
+                continue
+            cache = d.cache
+            d.refresh_cache()
+            bad += int((cache.view(cache.shape[0], -1) != d.cache.view(cache.shape[0], -1)).any(1).sum())
+        return bad
+
+    @torch.no_grad()
+    def apply(self, rows: list[list[int]], copies: Optional[list[list[int]]] = None, *, engine) -> int:
         """Move every slot's contents to placement `rows`, one MoE layer at a time (its whole state is held
         in fp32 for the move, one layer's at a time): per changed layer one all-to-all over the EP group
-        and, for the optimizer state, all-reduces over the edp group. Returns the bytes this rank sent."""
+        and, for the optimizer state, all-reduces over the edp group; then the copies of `copies` are
+        filled (refresh). Returns the bytes this rank sent."""
         from ..checkpoint import link_optimizer_state
         link_optimizer_state(engine)  # the moments exist (zeros before the first step)
         sent = 0
         for i, layer in self.layers:
             if rows[i] != self.rows[i]:  # the same layers on every rank of the EP and edp groups
                 sent += self._move_layer(layer, moves(self.rows[i], rows[i], self.ep, self.rank))
-        self.set_tables(rows)
-        return sent
+        self.set_tables(rows, copies)
+        return sent + self.refresh()
 
     def _move_layer(self, layer, plan) -> int:
         from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
@@ -203,16 +344,28 @@ class SlotExperts:
 
     @contextlib.contextmanager
     def at_home(self, engine):
-        """Every expert in its home slot for the body (a checkpoint keyed by expert id), then back."""
-        rows = [list(r) for r in self.rows]
+        """Every expert in its home slot for the body (a checkpoint keyed by expert id), then back. First the
+        redundant slots' copies are checked bit for bit against their owners (RuntimeError on every rank
+        if one differs)."""
+        rows, copies = [list(r) for r in self.rows], [list(c) for c in self.copies]
+        held = sum(e >= 0 for c in copies for e in c)
+        if held:  # the copies the forward used are their owners' weights (refreshed since the last step)
+            bad = torch.tensor([self.replica_mismatch()], dtype=torch.int64, device=self.device)
+            if dist.is_initialized():  # every rank raises, or none does
+                dist.all_reduce(bad)
+            if int(bad.item()):  # host read, once per checkpoint
+                raise RuntimeError(f"{int(bad.item())} redundant expert slots differ from their owners' weights: "
+                                   f"a copy was not refreshed after an optimizer step")
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"redundant slots: {held} expert copies bit-identical to their owners", flush=True)
         if rows == [home_row(self.n_experts) for _ in rows]:
             yield
             return
-        self.apply([home_row(self.n_experts) for _ in rows], engine)
+        self.apply([home_row(self.n_experts) for _ in rows], engine=engine)
         try:
             yield
         finally:
-            self.apply(rows, engine)
+            self.apply(rows, copies, engine=engine)
 
 
 class Replacer:
@@ -223,12 +376,15 @@ class Replacer:
         self.slots, self.engine, self.device = slots, engine, device
         p, m = cfg.parallel, cfg.model
         self.every, self.policy, self.max_steps = p.replace_every, p.replace_policy, cfg.train.max_steps
+        self.redundant, self.rotations = p.redundant_slots, 0
+        self.micro_batches = slots.mesh.layout.grad_accum
         self.last_wall = 0.0  # wall time of the last move applied (rank 0): the cost's floor
         self.n_layers, self.n_experts, self.ep = len(slots.rows), m.n_routed_experts, slots.ep
         self.edp = max(1, slots.mesh.size("edp"))
         expert_numel = 3 * m.hidden_size * m.moe_intermediate_size
         elem = 2 if cfg.train.dtype == "bf16" else 4
         self.expert_bytes = expert_numel * (elem + 3 * 4)  # weights, fp32 master, two moments
+        self.copy_bytes = expert_numel * elem  # a copy's refresh (a step) or its gradient (a micro-batch)
         # one routed row through one expert, forward and backward: 3 GEMMs x 2 flops x 3 passes
         self.row_seconds = 18 * expert_numel / (peak_tflops * 1e12)
         self.link_bytes_s = Links().nvlink_gbps * 1e9 / 8
@@ -243,17 +399,22 @@ class Replacer:
         """Count the step's load; at a decision step decide, move (collective on every rank) and
         return the `event: replace` row (None between decisions)."""
         if expert is None:
+            self.slots.refresh()  # the optimizer stepped: the copies take the new weights
             return None
         self.load += expert["counts"].double()
         self.rank_rows += expert["rank_rows"].double()
         self.steps += 1
         if step % self.every or step >= self.max_steps:  # (after the last step nothing would gain)
+            self.slots.refresh()
             return None
         t0 = time.perf_counter()
         is_root = not dist.is_initialized() or dist.get_rank() == 0
         new, row = (self._decide() if is_root else (None, {}))
         apply = self._broadcast(new)
-        moved = self.slots.apply(apply, self.engine) if apply is not None else 0
+        if apply is not None:
+            moved = self.slots.apply(*apply, engine=self.engine)  # the copies refreshed too
+        else:
+            moved = self.slots.refresh()
         if self.device.type == "cuda":  # the wall time of the moves, not of their launch
             torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - t0
@@ -268,17 +429,21 @@ class Replacer:
         (update_bias copied them there: no read here; the dry run draws them instead)."""
         return self.load, self.rank_rows
 
-    def _decide(self) -> tuple[Optional[list[list[int]]], dict]:
-        cur = self.slots.rows
+    def _decide(self) -> tuple[Optional[tuple[list[list[int]], list[list[int]]]], dict]:
+        cur, cur_copies = self.slots.rows, self.slots.copies
         load, rank_rows = self._host_load()
-        if self.policy == "rotate":  # the drill: every expert moves to the next rank and slot
-            s = self.n_experts // self.ep
+        s = self.n_experts // self.ep
+        if self.policy == "rotate":  # the drill: every expert moves to the next rank and slot, new copies
             new = [[r[(q - s - 1) % len(r)] for q in range(len(r))] for r in cur]
+            self.rotations += 1
+            copies = [[r[((q // self.redundant + 1) % self.ep) * s + (self.rotations + q) % s]
+                       for q in range(self.ep * self.redundant)] for r in new]
         else:
             plan = rebalance_experts(load, self.n_experts, 1, 1, self.ep)[0].tolist()
             new = [keep_in_place(p, c, self.ep) for p, c in zip(plan, cur)]
-        before = [rank_loads(load[i], cur[i], self.ep) for i in range(self.n_layers)]
-        after = [rank_loads(load[i], new[i], self.ep) for i in range(self.n_layers)]
+            copies = [copy_slots(load[i], new[i], self.ep, self.redundant) for i in range(self.n_layers)]
+        before = [rank_loads(load[i], cur[i], self.ep, cur_copies[i]) for i in range(self.n_layers)]
+        after = [rank_loads(load[i], new[i], self.ep, copies[i]) for i in range(self.n_layers)]
         steps = max(1, self.steps)
         # rows of the busiest EP rank per step and device (the edp replicas split a rank's rows)
         saved_rows = sum(float(b.max() - a.max()) for b, a in zip(before, after)) / steps / self.edp
@@ -288,7 +453,15 @@ class Replacer:
         # at the planner's link rate, or what the last move measured if more (on CPU ranks the copies and
         # the optimizer state's edp all-reduces, not the link, set the pace)
         cost_s = max(max(per_rank) * self.expert_bytes / self.link_bytes_s, self.last_wall)
-        if new == cur:
+        # copies cost every step: their refresh and, each micro-batch, their gradients back to the owner
+        held = max(sum(1 for e in c[q * self.redundant:(q + 1) * self.redundant] if e >= 0)
+                   for c in copies for q in range(self.ep)) if self.redundant else 0
+        held_now = max(sum(1 for e in c[q * self.redundant:(q + 1) * self.redundant] if e >= 0)
+                       for c in cur_copies for q in range(self.ep)) if self.redundant else 0
+        copy_s = (held - held_now) * n_copy_layers(copies) * self.copy_bytes * (1 + self.micro_batches) \
+            * self.every / self.link_bytes_s
+        cost_s += max(0.0, copy_s)
+        if new == cur and copies == cur_copies:
             decision, reason = "keep", "the search finds the current placement"
         elif self.policy in ("always", "rotate"):
             decision, reason = "apply", f"parallel.replace_policy={self.policy}"
@@ -302,26 +475,32 @@ class Replacer:
         row = {"event": "replace", "decision": decision, "reason": reason, "steps_counted": self.steps,
                "moved_experts": sum(per_rank) if decision == "apply" else 0,
                "moved_bytes": moved_bytes if decision == "apply" else 0,
+               "copies": sum(e >= 0 for c in (copies if decision == "apply" else cur_copies) for e in c),
                "predicted_saving_s": saving_s, "move_cost_s": cost_s,
                "measured_rank_max_over_mean": round(_imbalance(measured), 6),
                "predicted_rank_max_over_mean_before": round(_imbalance(before), 6),
                "predicted_rank_max_over_mean_after": round(_imbalance(after), 6)}
-        return (new if decision == "apply" else None), row
+        return ((new, copies) if decision == "apply" else None), row
 
-    def _broadcast(self, new: Optional[list[list[int]]]) -> Optional[list[list[int]]]:
-        """Rank 0's decision on every rank: [flag, rows...] in one broadcast over the world."""
+    def _broadcast(self, new):
+        """Rank 0's decision on every rank: [flag, rows..., copies...] in one broadcast over the world."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return new
-        buf = torch.zeros(1 + self.n_layers * self.n_experts, dtype=torch.int64, device=self.device)
+        width = self.n_layers * (self.n_experts + self.ep * self.redundant)
+        buf = torch.zeros(1 + width, dtype=torch.int64, device=self.device)
         if new is not None:
             buf[0] = 1
-            buf[1:] = torch.tensor(new, dtype=torch.int64, device=self.device).flatten()
+            buf[1:] = torch.tensor([e for part in new for r in part for e in r], dtype=torch.int64,
+                                   device=self.device)
         dist.broadcast(buf, src=0)
         return self._rows_from(buf)
 
-    def _rows_from(self, buf: torch.Tensor) -> Optional[list[list[int]]]:
-        """The broadcast decision on the host: rows to apply, or None."""
+    def _rows_from(self, buf: torch.Tensor):
+        """The broadcast decision on the host: (rows, copies) to apply, or None."""
         flat = buf.cpu().tolist()  # host sync, once per decision
         if not flat[0]:
             return None
-        return [flat[1 + i * self.n_experts:1 + (i + 1) * self.n_experts] for i in range(self.n_layers)]
+        e, c = self.n_experts, self.ep * self.redundant
+        rows = [flat[1 + i * e:1 + (i + 1) * e] for i in range(self.n_layers)]
+        base = 1 + self.n_layers * e
+        return rows, [flat[base + i * c:base + (i + 1) * c] for i in range(self.n_layers)]
