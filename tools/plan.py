@@ -230,7 +230,7 @@ def _run_calibrate(argv: list[str]) -> int:
     rows = []
     for pub, setup in published.calibration_setups(ROOT):
         rows.append((pub, time_mod.step_time(setup, gpus_mod.gpu_named(pub.gpu), gpus_mod.Efficiency(),
-                                             pub.mechanisms, 1.0 if pub.balance == "forced" else None)))
+                                             pub.mechanisms, published.imbalance_of(pub))))
     print(time_report.format_calibration(rows))
     return 0
 
