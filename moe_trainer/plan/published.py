@@ -180,14 +180,15 @@ MEASURED = (
 
 def calibration_setups(root: Path, measured: bool = True) -> list[tuple[Published, Setup]]:
     """The four published runs and their setups: the two trainer configs above with their overrides,
-    the two published-run files; then (`measured`) this trainer's own runs on a GPU."""
+    the two published-run files; a cross-check (Qwen3-30B-A3B: the fine-grained MoE layer inside one
+    node, no pipeline); then (`measured`) this trainer's own runs on a GPU."""
     from ..resolve import load_config
     from .work import setup_from_config
     out = []
     for pub in CALIBRATION:
         cfg = load_config(str(root / pub.config), list(pub.overrides))
         out.append((pub, setup_from_config(cfg, pub.gpus, name=Path(pub.config).stem)))
-    for name in ("qwen3_235b_a22b.yaml", "mixtral_8x22b.yaml"):
+    for name in ("qwen3_235b_a22b.yaml", "mixtral_8x22b.yaml", "qwen3_30b_a3b.yaml"):
         pub, setup = load_published(str(root / "configs" / name))
         out.append((dataclasses.replace(pub, config=f"configs/{name}"), setup))
     for pub in MEASURED if measured else ():
