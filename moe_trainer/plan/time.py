@@ -341,8 +341,9 @@ def unpaired_share(s: Setup, stage: int, mech: Mechanisms) -> float:
       over v chunks 2 (p - r - 1) + (v - 1) p + 1 warm-up forwards of v m (microbatch group p);
       v = 1: p - r, which at pp 1 is this trainer's overlap (parallel/overlap.py: micro-batch 0's
       forward and the last backward run alone).
-    - DualPipe (deepseek-ai/DualPipe dualpipe.py, steps 1-3 and 5-6): a rank r, h = min(r, p-1-r),
-      runs 2 (p/2 - h - 1) + 2 (h + 1) + (p/2 - h - 1) = 3p/2 - h - 1 forwards alone, of m."""
+    - DualPipe (deepseek-ai/DualPipe dualpipe.py): a rank r, h = min(r, p-1-r), runs 2 (p/2 - h - 1)
+      + 2 (h + 1) + (p/2 - h - 1) = 3p/2 - h - 1 of its m forwards alone (steps 1-3), and as many
+      backwards (steps 3 and 5-7)."""
     if not mech.a2a_overlap:
         return 0.0
     p, v, m = s.pp, s.virtual_stages, s.micro_batches
