@@ -6,7 +6,7 @@
   python tools/plan.py zero --params 7.5e9 --dp 64
   python tools/plan.py --config configs/deepseek_v3_671b.yaml --gpus 2048 --time --gpu h800 [--overlap]
   python tools/plan.py --config configs/llama3_405b.yaml --gpus 16384 --search --gpu h100 --json PLAN.json
-  python tools/plan.py calibrate    the four published runs and this trainer's H200 runs: estimate against figure
+  python tools/plan.py calibrate    the four published runs, a cross-check and this trainer's H200 runs: estimate against figure
 
 The logic lives in the moe_trainer/plan package; this file only parses arguments.
 """
@@ -39,7 +39,8 @@ subcommand:
                                     per rank for stages 0-3 and traffic per step
                                     (see `tools/plan.py zero --help`)
   calibrate                         the step-time model against the four published runs
-                                    (Llama 3 405B, DeepSeek-V3, Qwen3-235B-A22B, Mixtral 8x22B)
+                                    (Llama 3 405B, DeepSeek-V3, Qwen3-235B-A22B, Mixtral 8x22B),
+                                    the cross-check Qwen3-30B-A3B (Megatron's H100 recipe)
                                     and this trainer's moe_1b_gpu on one H200, eager and compiled
 
 what the plan reports (markdown, or JSON with --json):
@@ -230,7 +231,7 @@ def _run_calibrate(argv: list[str]) -> int:
     rows = []
     for pub, setup in published.calibration_setups(ROOT):
         rows.append((pub, time_mod.step_time(setup, gpus_mod.gpu_named(pub.gpu), gpus_mod.Efficiency(),
-                                             pub.mechanisms, 1.0 if pub.balance == "forced" else None)))
+                                             pub.mechanisms, published.imbalance_of(pub))))
     print(time_report.format_calibration(rows))
     return 0
 

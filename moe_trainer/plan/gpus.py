@@ -53,8 +53,9 @@ class Efficiency:
     """Fractions of a peak that kernels and collectives sustain (one set for every run)."""
 
     gemm: float = 0.80  # dense GEMM at large shapes, of the tensor-core peak
-    grouped: float = 0.90  # a grouped (per-expert) GEMM relative to a dense one of the same shape
-    fp8_gemm: float = 0.78  # FP8 GEMM with fine-grained scaling, of the FP8 peak
+    grouped: float = 0.90  # a grouped (per-expert) BF16 GEMM relative to a dense one of the same shape
+    fp8_gemm: float = 0.51  # FP8 GEMM with fine-grained scaling at DeepSeek-V3's shapes, of the FP8 peak
+    fp8_grouped: float = 0.50  # the same for the routed experts' grouped FP8 GEMMs (of the peak, not of fp8_gemm)
     attn_fwd: float = 0.60  # flash attention forward, of the BF16 peak
     attn_bwd: float = 0.45  # flash attention backward
     memory: float = 0.80  # memory-bound kernels, of the HBM bandwidth
@@ -75,8 +76,15 @@ EFFICIENCY_SOURCES = {
             "roofline (arithmetic intensity x HBM bandwidth) as well",
     "grouped": "grouped GEMM vs dense GEMM of the same total shape: DeepGEMM (deepseek-ai/DeepGEMM README) "
                "grouped contiguous-layout MoE GEMMs reach ~90% of its normal GEMMs' TFLOPS on H800",
-    "fp8_gemm": "DeepGEMM (deepseek-ai/DeepGEMM README): FP8 GEMMs with 1x128 / 128x128 scaling up to "
-                "~1,550 TFLOPS on H800 (78% of 1,979)",
+    "fp8_gemm": "DeepGEMM's first README (deepseek-ai/DeepGEMM, 2025-02, H800): FP8 GEMMs with 1x128 / 128x128 "
+                "scaling at DeepSeek-V3's six dense shapes with M = 4,096 tokens (q_a+kv_a 2112x7168, q_b 24576x1536, "
+                "kv_b 32768x512, o 7168x16384, shared expert 4096x7168 and 7168x2048) at 775-1,520 TFLOPS, each "
+                "1.2-1.4x faster than DeepSeek's 'internally and carefully optimized implementation based on "
+                "CUTLASS 3.6', the kernels of V3's training; FLOP-weighted at those speeds: 1,006 TFLOPS, 51% of "
+                "1,979 (DeepGEMM's own speeds give 66%; its best shape, 1,550 after 2025-04, 78%)",
+    "fp8_grouped": "the same README's grouped contiguous-layout GEMMs at V3's training layout (4 experts x 8,192 "
+                   "rows, 4096x7168 and 7168x2048): 1,346 and 1,214 TFLOPS, 1.3x DeepSeek's CUTLASS-3.6 kernels: "
+                   "999 TFLOPS, 50% of 1,979 (DeepGEMM's own: 66%)",
     "attn_fwd": "FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608) BF16 causal forward, head dim 128, "
                 "8K-16K: ~600-660 TFLOPS of 989 on H100",
     "attn_bwd": "FlashAttention-3 backward, same setting: ~430-480 TFLOPS of 989",

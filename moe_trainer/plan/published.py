@@ -23,6 +23,10 @@ from .time import Mechanisms
 from .work import Setup
 
 UNITS = ("tflops_per_gpu", "mfu", "gpu_hours_per_trillion_tokens", "tokens_per_s_per_gpu")
+# forced: every expert at the mean (token drop at capacity 1.0); random: Megatron's
+# moe_router_force_load_balancing, random router logits (router.py apply_random_logits), i.e. uniform
+# routing, whose busiest rank sits above the mean (work.uniform_imbalance); natural: the run's own router
+BALANCES = ("forced", "random", "natural")
 _MODEL_KEYS = {"model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size"}
 _TRAIN_KEYS = {"seq_len", "micro_batch_size", "global_batch_size"}
@@ -39,7 +43,7 @@ class Published:
     gpus: int
     figure: float
     unit: str  # UNITS
-    balance: str  # forced | natural
+    balance: str  # BALANCES
     source: str
     mechanisms: Mechanisms = field(default_factory=Mechanisms)
     config: str = ""  # trainer config (for the trainer's own architectures)
@@ -78,6 +82,8 @@ def load_published(path: str) -> tuple[Published, Setup]:
     par = _section(data, "parallel", _PARALLEL_KEYS, path)
     if mod.get("model_type") not in ("qwen3_moe", "mixtral"):
         raise PlanError(f"{path}: model.model_type must be qwen3_moe or mixtral, got {mod.get('model_type')!r}.")
+    if pub.get("balance", "natural") not in BALANCES:
+        raise PlanError(f"{path}: published.balance must be one of {', '.join(BALANCES)}, got {pub.get('balance')!r}.")
     if pub.get("unit") not in UNITS:
         raise PlanError(f"{path}: published.unit must be one of {', '.join(UNITS)}, got {pub.get('unit')!r}.")
     try:
@@ -174,20 +180,29 @@ MEASURED = (
 
 def calibration_setups(root: Path, measured: bool = True) -> list[tuple[Published, Setup]]:
     """The four published runs and their setups: the two trainer configs above with their overrides,
-    the two published-run files; then (`measured`) this trainer's own runs on a GPU."""
+    the two published-run files; a cross-check (Qwen3-30B-A3B: the fine-grained MoE layer inside one
+    node, no pipeline); then (`measured`) this trainer's own runs on a GPU."""
     from ..resolve import load_config
     from .work import setup_from_config
     out = []
     for pub in CALIBRATION:
         cfg = load_config(str(root / pub.config), list(pub.overrides))
         out.append((pub, setup_from_config(cfg, pub.gpus, name=Path(pub.config).stem)))
-    for name in ("qwen3_235b_a22b.yaml", "mixtral_8x22b.yaml"):
+    # the cross-check sits in configs/published/ (the README's config table lists configs/*.yaml)
+    for name in ("qwen3_235b_a22b.yaml", "mixtral_8x22b.yaml", "published/qwen3_30b_a3b.yaml"):
         pub, setup = load_published(str(root / "configs" / name))
         out.append((dataclasses.replace(pub, config=f"configs/{name}"), setup))
     for pub in MEASURED if measured else ():
         cfg = load_config(str(root / pub.config), list(pub.overrides))
         out.append((pub, setup_from_config(cfg, pub.gpus, name=Path(pub.config).stem)))
     return out
+
+
+def imbalance_of(pub: Published):
+    """The load imbalance a run's figure was measured under: 1.0 for forced balance, else None (uniform
+    routing's statistical maximum: Megatron's random-logit balance is exactly that, a natural router's
+    a lower bound)."""
+    return 1.0 if pub.balance == "forced" else None
 
 
 def estimate_in_unit(unit: str, tokens_per_s_per_gpu: float, tflops: float, mfu: float) -> float:

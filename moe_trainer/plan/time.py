@@ -119,7 +119,10 @@ def _gemm_seconds(g: Gemm, gpu: Gpu, eff: Efficiency, mech: Mechanisms, act_byte
     """One forward of `g`: FLOPs at the kind's rate, or operand bytes at HBM speed, the slower."""
     fp8 = mech.gemm_dtype == "fp8"
     peak = (gpu.fp8_tflops if fp8 else gpu.bf16_tflops) * 1e12
-    rate = peak * (eff.fp8_gemm if fp8 else eff.gemm) * (eff.grouped if g.grouped else 1.0)
+    if fp8:
+        rate = peak * (eff.fp8_grouped if g.grouped else eff.fp8_gemm)
+    else:
+        rate = peak * eff.gemm * (eff.grouped if g.grouped else 1.0)
     elem = 1 if fp8 else act_bytes  # FP8 operands; the output stays in the activations' dtype
     moved = ((g.rows * g.inner + g.inner * g.cols) * elem + g.rows * g.cols * act_bytes) * g.count
     return max(g.flops / rate, moved / (gpu.hbm_tbs * 1e12 * eff.memory))
@@ -299,12 +302,14 @@ def _paired_a2a_exposed(a2a: float, dev: float, attn_share: float, mech: Mechani
 def _per_micro_batch(kinds: dict, comm: dict, mech: Mechanisms, host: dict,
                      moe_block: tuple) -> tuple[float, float, dict, float]:
     """(seconds per micro-batch, compute, exposed communication by kind, host wait) of one stage.
-    `moe_block`: (MoE blocks, device seconds of one, its attention side's share)."""
+    `moe_block`: (MoE blocks, device seconds of one, its attention side's share, the unpaired share)."""
     c = sum(kinds.values())
-    n_moe, dev_moe, attn_share = moe_block
+    n_moe, dev_moe, attn_share, unpaired = moe_block
     a2a = comm["all_to_all"]
     if mech.a2a_overlap and n_moe:
-        a2a = n_moe * _paired_a2a_exposed(a2a / n_moe, dev_moe, attn_share, mech)
+        # the schedule's warm-up forwards and cool-down backwards run alone: their transfers stay exposed
+        paired = n_moe * _paired_a2a_exposed(a2a / n_moe, dev_moe, attn_share, mech)
+        a2a = (1 - unpaired) * paired + unpaired * a2a
     exposed = {
         "tensor": max(0.0, comm["tensor"] - kinds["gemm"]) if mech.tp_overlap else comm["tensor"],
         "context": max(0.0, comm["context"] - kinds["attention"]) if mech.tp_overlap else comm["context"],
@@ -328,15 +333,37 @@ def _per_micro_batch(kinds: dict, comm: dict, mech: Mechanisms, host: dict,
     return busy, c, exposed, busy - device
 
 
+def unpaired_share(s: Setup, stage: int, mech: Mechanisms) -> float:
+    """Share of a rank's micro-batch chunks that run without a partner under the paired overlap: the
+    schedule's warm-up forwards and as many cool-down backwards, whose all-to-alls nothing hides.
+    - 1F1B (Megatron's combined 1F1B, NVIDIA/Megatron-LM pipeline_parallel/schedules.py: with
+      overlap_moe_expert_parallel_comm one more warm-up forward than the schedule's own): interleaved
+      over v chunks 2 (p - r - 1) + (v - 1) p + 1 warm-up forwards of v m (microbatch group p);
+      v = 1: p - r, which at pp 1 is this trainer's overlap (parallel/overlap.py: micro-batch 0's
+      forward and the last backward run alone).
+    - DualPipe (deepseek-ai/DualPipe dualpipe.py): a rank r, h = min(r, p-1-r), runs 2 (p/2 - h - 1)
+      + 2 (h + 1) + (p/2 - h - 1) = 3p/2 - h - 1 of its m forwards alone (steps 1-3), and as many
+      backwards (steps 3 and 5-7)."""
+    if not mech.a2a_overlap:
+        return 0.0
+    p, v, m = s.pp, s.virtual_stages, s.micro_batches
+    if mech.schedule == "dualpipe":
+        return min(1.0, (3 * p / 2 - min(stage, p - 1 - stage) - 1) / m)
+    warm = 2 * (p - stage - 1) + (v - 1) * p + 1 if v > 1 else p - stage
+    return min(1.0, warm / (v * m))
+
+
 def _moe_block(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms, imbalance: float) -> tuple:
-    """(MoE blocks on `stage`, device seconds of one decoder MoE block, its attention side's share)."""
+    """(MoE blocks on `stage`, device seconds of one decoder MoE block, its attention side's share, the
+    share of micro-batches that run unpaired)."""
     kinds = _stage_kinds(s, stage)
     moe = [(layer, n) for (is_moe, mtp), (layer, n) in kinds.items() if is_moe and not mtp]
     if not moe:
-        return 0, 0.0, 0.5
+        return 0, 0.0, 0.5, 0.0
     secs, share = _block_seconds(s, moe[0][0], gpu, eff, mech, imbalance)
     slow = 1 - mech.comm_sm_share if mech.a2a_overlap else 1.0
-    return sum(n for (is_moe, _), (_, n) in kinds.items() if is_moe), sum(secs.values()) / slow, share
+    return (sum(n for (is_moe, _), (_, n) in kinds.items() if is_moe), sum(secs.values()) / slow, share,
+            unpaired_share(s, stage, mech))
 
 
 def _dualpipe_rank(a: tuple, b: tuple) -> tuple:
