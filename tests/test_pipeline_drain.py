@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_leaves
 
 from conftest import spawn_ranks
 from moe_trainer.bench.pp_schedule import HeldEngine, HeldStage
-from moe_trainer.parallel.pipeline import backward_surrogate
+from moe_trainer.parallel.surrogate import backward_surrogate
 
 REDUCE_S = 0.4  # every stage's fake reduction holds its rank this long
 SHAPE = (2, 8, 16)  # (B, T, d) carried between stages

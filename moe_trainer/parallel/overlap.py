@@ -52,7 +52,7 @@ from torch import nn
 from ..metrics import StepClock
 from .a2a_async import issue
 from .overlap_model import stage_functions
-from .pipeline import _OutputGradient
+from .surrogate import _OutputGradient
 
 
 def _leaf(v):

@@ -34,6 +34,7 @@ from ..metrics import StepClock
 from ..models.lm import LMOutput, add_aux
 from .comm import shm_transport
 from .p2p import PeerExchange, chunk_peers, comm_plan
+from .surrogate import backward_surrogate
 
 # ----------------------------------------------------------------------------- partition (pure)
 
@@ -368,34 +369,6 @@ class _Saved:
 
 
 # ----------------------------------------------------------------------------- the backward surrogate
-
-class _OutputGradient(torch.autograd.Function):
-    """A zero scalar whose gradient with respect to `out` is `grad`: engine.backward takes a scalar loss,
-    and an inner stage's backward starts from the next stage's gradient of its output. Its value is
-    never read (the losses are summed from the forwards), so none is computed; nothing of (B, T, d)
-    is made in either direction: `grad`, the received buffer, is handed back scaled in place."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(grad)
-        return out.new_zeros((), dtype=torch.float32)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, scale: torch.Tensor):
-        # scale: d(engine's loss) / d(this), a 0-dim fp32 tensor (1, or fp16's loss scale). grad stays in
-        # the activation dtype, as out's gradient must be: the product is exact for 1 and powers of 2
-        (grad,) = ctx.saved_tensors
-        return grad.mul_(scale), None
-
-
-def backward_surrogate(out: torch.Tensor, grad: torch.Tensor, aux: Optional[torch.Tensor],
-                       micro_batches: int) -> torch.Tensor:
-    """The scalar an inner stage's backward runs from: d/d(out) = grad (B, T, d), which consumes the
-    buffer, plus this stage's auxiliary loss with the 1/m that grad already carries for the LM loss."""
-    loss = _OutputGradient.apply(out, grad)
-    return loss if aux is None else loss + aux / micro_batches
-
 
 # ----------------------------------------------------------------------------- the executor
 

@@ -221,8 +221,10 @@ def gathered_input_bytes(m: ModelConfig, tp: int, sp: bool, sp_regather: bool, b
 
 
 def overlapped(cfg: Config, micro_batches: int) -> bool:
-    """Whether the overlapped executor runs (parallel.overlap=a2a; it pairs micro-batches at pp = 1)."""
-    return cfg.parallel.overlap == "a2a" and cfg.parallel.pp == 1 and micro_batches > 1
+    """Whether overlapped pairs run (parallel.overlap=a2a: the gradient-accumulation micro-batches at pp 1,
+    interleaved 1F1B's steady (backward, forward) pairs at pp > 1)."""
+    p = cfg.parallel
+    return p.overlap == "a2a" and micro_batches > 1 and (p.pp == 1 or p.virtual_stages > 1)
 
 
 def stage_activation_bytes(cfg: Config, partition: Sequence[int], stage: int, micro_batches: int,
@@ -247,10 +249,10 @@ def stage_activation_bytes(cfg: Config, partition: Sequence[int], stage: int, mi
     flight = in_flight(stage, p.pp, micro_batches, p.virtual_stages)
     if overlapped(cfg, micro_batches):
         # parallel.overlap=a2a (parallel/overlap.py): a micro-batch's forward runs beside the previous one's
-        # backward, so one more micro-batch's activations are alive; with full recomputation each of a MoE
+        # backward, so one more micro-batch's activations are alive (a chunk's at pp > 1); with full recomputation each of a MoE
         # layer's three stages keeps its inputs (its checkpoint's): h (counted above); h1, flat and the k
         # received rows per token (uniform routing); the shared experts' output and the k combined rows
-        flight += 1
+        flight += 1 if cfg.parallel.pp == 1 else 1 / cfg.parallel.virtual_stages  # at pp > 1 one more chunk
         moe = sum(1 for i in blocks if i < m.num_hidden_layers and is_moe_layer(m, i))
         kept += moe * (3 + 2 * m.num_experts_per_tok) * m.hidden_size * b * tokens
     working = max(full, default=0.0)
