@@ -18,6 +18,19 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
 # a tiny MoE that trains in seconds on one core
+# The heaviest test files (minutes of multi-rank launches each; --durations, 2026-12-06), collected first so
+# that scripts/test.sh's two workers (--dist loadfile: whole files, handed out in collection order) end
+# together instead of one running a big file alone while the other idles.
+HEAVY_FIRST = ("test_fault_drill.py", "test_reliability.py", "test_pp_parity.py", "test_faults.py",
+               "test_dry_run_path.py", "test_dense_parity.py", "test_dry_run.py", "test_checkpoint_reshard.py",
+               "test_multinode.py", "test_expert_placement.py", "test_compile.py", "test_overlap.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    first = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest keep their order
+
+
 TINY = [
     "model.hidden_size=64", "model.num_hidden_layers=3", "model.num_attention_heads=2",
     "model.intermediate_size=128", "model.q_lora_rank=32", "model.kv_lora_rank=32",
