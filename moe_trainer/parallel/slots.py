@@ -52,7 +52,6 @@ import torch.distributed as dist
 
 from ..moe.placement import rebalance_experts
 from .comm import all_to_all_rows
-from ..moe.placement import replica_candidates
 from .replicas import LayerPlacement
 
 POLICIES = ("auto", "always", "rotate")
@@ -103,6 +102,19 @@ def _cache_tables(row: list[int], replicas: list[int], ep: int, rank: int):
             torch.tensor(slot_index, dtype=torch.int64))
 
 
+def _candidates(slots: list[int], rank: int, per_rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe.placement.replica_candidates on host lists (no tensor op: the dry run builds the tables under
+    fake tensors, where nonzero has no size): an expert's slots on `rank` if any, else all of them."""
+    rows = [[] for _ in range(n)]
+    for q, e in enumerate(slots):
+        if e >= 0:
+            rows[e].append(q)
+    rows = [[q for q in r if q // per_rank == rank] or r for r in rows]
+    width = max(1, max(len(r) for r in rows))
+    return (torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64),
+            torch.tensor([len(r) for r in rows], dtype=torch.int64))
+
+
 def owned_placement(row: list[int], ep: int, rank: int, replicas: Optional[list[int]] = None) -> LayerPlacement:
     """The dispatcher's tables for slot-owned experts: expert row[q] in owned slot q, no weight fetched per
     forward; with redundant slots (`replicas`) a copy routed to an expert takes one of its slots (its
@@ -111,7 +123,7 @@ def owned_placement(row: list[int], ep: int, rank: int, replicas: Optional[list[
     n = len(row)
     slots = slot_row(row, replicas, ep)
     per_rank = len(slots) // ep
-    cand, count = replica_candidates(torch.tensor(slots, dtype=torch.int64), rank, per_rank, n)
+    cand, count = _candidates(slots, rank, per_rank, n)
     if per_rank == n // ep:  # no copy: nothing is fetched, slot s is parameter row s
         return LayerPlacement(torch.tensor(slots, dtype=torch.int64), per_rank, rank, cand, count,
                               torch.zeros(0, dtype=torch.int64), [0] * ep, [0] * ep, torch.arange(per_rank),
@@ -287,7 +299,7 @@ class SlotExperts:
                 continue
             cache = d.cache
             d.refresh_cache()
-            bad += int((cache.view(cache.shape[0], -1) != d.cache.view(cache.shape[0], -1)).any(1).sum())
+            bad += int((cache != d.cache).any(1).sum())  # (rows, width): a rank may hold no copy
         return bad
 
     @torch.no_grad()
