@@ -519,9 +519,8 @@ def read_full(path: Path, moments: bool = False) -> dict[str, torch.Tensor]:
 def full_model_shapes(model_cfg) -> dict:
     """Name -> shape of every weight (and balancing bias) of the whole model,
     built on the meta device: no memory, no initialisation cost."""
-    from .models.registry import ARCHS
-    with torch.device("meta"):
-        model = ARCHS[model_cfg.arch](model_cfg)
+    from .models.registry import meta_model
+    model = meta_model(model_cfg)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     shapes.update({n: tuple(b.shape) for n, b in model.named_buffers() if n.endswith(BIAS)})
     return shapes

@@ -430,10 +430,8 @@ def finished_sentence(cfg, path) -> str:
 def parameter_counts(model_cfg) -> tuple[int, int]:
     """(total, activated per token) parameters of the whole model (MTP included), from a meta-device
     build: a token runs num_experts_per_tok of each MoE layer's n_routed_experts."""
-    import torch
-    from .models.registry import ARCHS
-    with torch.device("meta"):
-        model = ARCHS[model_cfg.arch](model_cfg)
+    from .models.registry import meta_model
+    model = meta_model(model_cfg)
     total = routed = 0
     for name, p in model.named_parameters():
         total += p.numel()
