@@ -164,9 +164,18 @@ def test_the_published_runs():
     assert 0.8 <= got["Mixtral 8x22B"] <= 1.2
     assert 0.8 <= got["moe_1b_gpu eager"] <= 1.2
     assert 1.75 < got["Qwen3-235B-A22B"] < 1.95
+    # the same recipes as NVIDIA re-measured them (Megatron-LM PR #5728): 214.3 -> 302.0 and 234.1 -> 240.5
+    assert 1.2 < got["Qwen3-235B-A22B re-measured"] < 1.4
     # the cross-check: the same fine-grained layer inside one node, no EP overlap, no pipeline
     assert 1.25 < got["Qwen3-30B-A3B"] < 1.5
+    assert 1.2 < got["Qwen3-30B-A3B re-measured"] < 1.45
     assert 1.8 < got["moe_1b_gpu compiled"] < 2.1
+    # one MoE layer alone against Megatron-LM's own H100 layer benchmark (moe_perf): the model costs it
+    # slower than measured, top-2 and top-8 alike, so the whole runs' optimism is not the MoE layer's compute
+    speed = {name.split(" (")[0]: measured / (sum(parts.values()) * 1e3)
+             for name, measured, parts in published.moe_layer_rows()}
+    assert 0.78 < speed["Mixtral proxy"] < 0.95
+    assert 0.6 < speed["DeepSeek proxy"] < 0.8
 
 
 def test_overlap_leaves_the_unpaired_chunks_exposed():

@@ -233,6 +233,8 @@ def _run_calibrate(argv: list[str]) -> int:
         rows.append((pub, time_mod.step_time(setup, gpus_mod.gpu_named(pub.gpu), gpus_mod.Efficiency(),
                                              pub.mechanisms, published.imbalance_of(pub))))
     print(time_report.format_calibration(rows))
+    print(f"One MoE layer alone against Megatron-LM's own layer benchmark ({published.MOE_LAYER_SOURCE}):\n")
+    print(time_report.format_moe_layer_checks(published.moe_layer_rows()))
     return 0
 
 

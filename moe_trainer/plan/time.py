@@ -172,6 +172,25 @@ def _block_seconds(s: Setup, layer: int, gpu: Gpu, eff: Efficiency, mech: Mechan
     return out, attn_side / sum(out.values())
 
 
+def moe_layer_seconds(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms) -> dict[str, float]:
+    """Layer 0 of `s`, a MoE layer, alone (no attention), one micro-batch, forward + backward, as the step's model costs
+    it: the router's, shared and routed experts' GEMMs, the FFN side's glue and the layer's four
+    all-to-all transfers (dispatch and combine, forward and backward), none overlapped: the quantity
+    Megatron-LM's moe_perf benchmark times (published.MOE_LAYER_CHECKS)."""
+    layer = 0
+    if not is_moe_layer(s.ffn, layer):
+        raise PlanError(f"layer 0 of {s.name} is not a MoE layer.")
+    from .memory import _ffn_acts
+    w = block_work(s, layer)
+    ffn_gemms = w.gemms[len(_attention_weight_names(s, layer)):]
+    gemm = sum((_passes(s.recompute) + 2) * _gemm_seconds(g, gpu, eff, mech, s.act_bytes) for g in ffn_gemms)
+    glue = eff.glue_passes * (eff.fused_glue if mech.fused_glue else 1.0)
+    acts = _ffn_acts(s.ffn, layer, s.tp, s.act_bytes).per_rank(s.tp, s.sequence_parallel) * s.tokens
+    one_layer = dataclasses.replace(s, partition=(1,), pp=1, virtual_stages=1)
+    a2a = comm_seconds(one_layer, 0, gpu, eff, 1.0, mech)["all_to_all"] if s.ep > 1 else 0.0
+    return {"gemm": gemm, "glue": glue * acts / (gpu.hbm_tbs * 1e12 * eff.memory), "all_to_all": a2a}
+
+
 def _attention_weight_names(s: Setup, layer: int) -> list[str]:
     from .params import layer_shapes
     return [n for n, sh in layer_shapes(s.attn, layer).items() if n.startswith("self_attn.") and len(sh) == 2]
