@@ -153,12 +153,20 @@ def test_the_published_runs():
       is optimistic without any overlap or pipeline; its FP8 recipe is no faster, so not its GEMMs;
     - moe_1b_gpu compiled 1.95x: the model's device time is half the measured step and the sourced
       launch costs keep it device-bound: the missing second is not split without a profile.
-    Megatron's forced balance is random router logits: Qwen3 is timed at uniform routing's imbalance."""
-    got = {}
-    for pub, setup in published.calibration_setups(ROOT):
-        r = step_time(setup, gpu_named(pub.gpu), Efficiency(), pub.mechanisms, published.imbalance_of(pub))
-        est = published.estimate_in_unit(pub.unit, r.tokens_per_s_per_gpu, r.model_tflops_per_gpu, r.mfu)
-        got[pub.name.split(" (")[0]] = published.ratio(pub.unit, est, pub.figure)
+    Megatron's forced balance is random router logits: Qwen3 is timed at uniform routing's imbalance.
+    NVIDIA re-measured both Qwen3 recipes (Megatron-LM PR #5728): 302.0 and 240.5, held as their own rows.
+    One MoE layer alone is costed slower than Megatron's own H100 layer benchmark measures it, and only the
+    fine-grained runs move with the host's time per kernel (docs/PLANS.md, "Why the fine-grained MoE runs
+    read fast")."""
+    def ratios(eff):
+        got = {}
+        for pub, setup in runs:
+            r = step_time(setup, gpu_named(pub.gpu), eff, pub.mechanisms, published.imbalance_of(pub))
+            est = published.estimate_in_unit(pub.unit, r.tokens_per_s_per_gpu, r.model_tflops_per_gpu, r.mfu)
+            got[pub.name.split(" (")[0]] = published.ratio(pub.unit, est, pub.figure)
+        return got
+    runs = published.calibration_setups(ROOT)
+    got = ratios(Efficiency())
     assert 0.8 <= got["Llama 3 405B, 8K"] <= 1.2
     assert 0.8 <= got["DeepSeek-V3 671B"] <= 1.2
     assert 0.8 <= got["Mixtral 8x22B"] <= 1.2
@@ -176,6 +184,14 @@ def test_the_published_runs():
              for name, measured, parts in published.moe_layer_rows()}
     assert 0.78 < speed["Mixtral proxy"] < 0.95
     assert 0.6 < speed["DeepSeek proxy"] < 0.8
+    # at this trainer's measured eager host time per kernel (72 us) instead of a fused launcher's 9 us, the
+    # big-layer runs do not move and every fine-grained MoE run slows by more than a fifth: the host binds
+    # only where a layer's device time is short
+    slow = ratios(dataclasses.replace(Efficiency(), launch_us=72.0))
+    for name in ("Llama 3 405B, 8K", "DeepSeek-V3 671B", "Mixtral 8x22B", "moe_1b_gpu eager"):
+        assert slow[name] == pytest.approx(got[name], rel=0.01)
+    for name in ("Qwen3-235B-A22B", "Qwen3-30B-A3B", "moe_1b_gpu compiled"):
+        assert slow[name] < 0.8 * got[name]
 
 
 def test_overlap_leaves_the_unpaired_chunks_exposed():

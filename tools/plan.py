@@ -13,6 +13,7 @@ The logic lives in the moe_trainer/plan package; this file only parses arguments
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -223,16 +224,25 @@ def _run_search(args, argv) -> int:
     return 0
 
 
+HOST_SWEEP_US = (9.0, 30.0, 45.0, 60.0, 72.0)  # launch_us's sourced 9, up to this trainer's measured eager 72
+
+
 def _run_calibrate(argv: list[str]) -> int:
     """The four published runs and this trainer's measured GPU runs against their figures."""
     if argv:
         print("error: calibrate takes no arguments.", file=sys.stderr)
         return EXIT_BAD_INPUT
-    rows = []
-    for pub, setup in published.calibration_setups(ROOT):
-        rows.append((pub, time_mod.step_time(setup, gpus_mod.gpu_named(pub.gpu), gpus_mod.Efficiency(),
-                                             pub.mechanisms, published.imbalance_of(pub))))
-    print(time_report.format_calibration(rows))
+    runs = published.calibration_setups(ROOT)
+
+    def rows_at(eff):
+        return [(pub, time_mod.step_time(setup, gpus_mod.gpu_named(pub.gpu), eff, pub.mechanisms,
+                                         published.imbalance_of(pub))) for pub, setup in runs]
+    eff = gpus_mod.Efficiency()
+    print(time_report.format_calibration(rows_at(eff)))
+    sweep = {us: rows_at(dataclasses.replace(eff, launch_us=us)) for us in HOST_SWEEP_US}
+    print("The same, the host's time per kernel of a fused or compiled framework (launch_us) swept: only the "
+          "fine-grained MoE runs move (docs/PLANS.md, \"Why the fine-grained MoE runs read fast\"):\n")
+    print(time_report.format_host_sweep(sweep))
     print(f"One MoE layer alone against Megatron-LM's own layer benchmark ({published.MOE_LAYER_SOURCE}):\n")
     print(time_report.format_moe_layer_checks(published.moe_layer_rows()))
     return 0

@@ -119,3 +119,14 @@ def format_moe_layer_checks(rows: list[tuple[str, float, dict]]) -> str:
     return "\n".join(_table(["MoE layer alone (H100, EP 8, 4096 tokens per rank)", "measured forward + backward",
                              "estimate", "estimate / measured speed", "estimate by part (ms)"], body)) + "\n"
 
+
+def format_host_sweep(sweep: dict) -> str:
+    """Estimate / published speed of each run (rows) at each host time per kernel (columns, us)."""
+    names = [pub.name.split(" (")[0] for pub, _r in next(iter(sweep.values()))]
+    cols = []
+    for rows in sweep.values():
+        cols.append([ratio(pub.unit, estimate_in_unit(pub.unit, r.tokens_per_s_per_gpu, r.model_tflops_per_gpu, r.mfu),
+                           pub.figure) for pub, r in rows])
+    body = [[name, *(f"{c[i]:.2f}" for c in cols)] for i, name in enumerate(names)]
+    return "\n".join(_table(["run", *(f"{us:g} us" for us in sweep)], body)) + "\n"
+
