@@ -42,7 +42,10 @@ subcommand:
   calibrate                         the step-time model against the four published runs
                                     (Llama 3 405B, DeepSeek-V3, Qwen3-235B-A22B, Mixtral 8x22B),
                                     the cross-check Qwen3-30B-A3B (Megatron's H100 recipe)
-                                    and this trainer's moe_1b_gpu on one H200, eager and compiled
+                                    and this trainer's moe_1b_gpu on one H200, eager and compiled;
+                                    NVIDIA's re-measured Qwen3 figures; the same at host times per
+                                    kernel from 9 to 72 us; one MoE layer against Megatron's own
+                                    H100 layer benchmark
 
 what the plan reports (markdown, or JSON with --json):
   parameters by part, total and activated per token; model states per rank for ZeRO 0-3 under
