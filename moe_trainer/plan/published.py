@@ -226,8 +226,9 @@ def remeasured(pub: Published, name: str) -> Optional[Published]:
 
 # One MoE layer alone on H100 (router, dispatch, grouped-GEMM experts, combine; forward + backward), as
 # Megatron-LM's own layer benchmark times it: tests/functional_tests/test_cases/common/moe_perf/
-# (test_cases.py: the proxies; baseline.json: forward_ms and backward_ms, mean of the measured iterations
-# with the 3 slowest dropped; commit cf39a4ddcf "Add moe layer perf UT" #2673). EP 8 inside one node,
+# (test_cases.py: the proxies, gpu_platform H100; baseline.json: forward_ms and backward_ms, the mean of 20
+# measured iterations after 5 warm-up ones; tests/test_utils/recipes/module_performance.yaml: one dgx_h100
+# node; commit cf39a4ddcf "Add moe layer perf UT" #2673). EP 8 inside one node,
 # TP 1, 4096 tokens per rank, forced balance, HybridEP, moe_permute_fusion and moe_router_fusion, TE
 # grouped GEMM, BF16; nothing overlapped (one layer, one stream). name: (model, measured forward + backward ms).
 MOE_LAYER_CHECKS = {
