@@ -218,6 +218,43 @@ def test_overlap_leaves_the_unpaired_chunks_exposed():
     assert paired.split["all_to_all"] < 0.2 * paired.totals["all_to_all"]
 
 
+def test_overlap_exposure_is_its_terms_and_meets_the_bench():
+    """The overlap bench's setup (moe_tiny, ep 2, pp 1, 16 micro-batches of 1) on the CPU model of the
+    2026-12-06 rates, with a link of 0.3 Gb/s and 200 us: blocking, the rank waits for every row transfer
+    (bytes over the link, plus the latency of each of the 12 a micro-batch sends: 3 MoE blocks x
+    (dispatch, combine) x (forward, backward)) and every split-size exchange (3 a micro-batch, latency
+    only); overlapped, for the per-slot excesses of the 15 paired micro-batches, the whole of micro-batch
+    0's forward and the last backward's transfers (1/16), and the same split-size exchanges. Then the
+    predicted hidden fraction at the bench's pp 1, ratio 1 setting lies inside the spread of the committed
+    measurement's rounds (docs/bench/overlap_2026-12-06.json: 0.42-0.69, median 0.56)."""
+    from moe_trainer.bench.overlap import model_setup, predict_rows, predicted_hidden
+    from moe_trainer.bench.plan_time import RATES_2026_12_06, cpu_from_rates
+    from moe_trainer.plan.time import _paired_a2a_exposed
+    from moe_trainer.plan.work import rank_bytes
+    s, _ = model_setup(1, 1)
+    assert (s.micro_batches, s.ep, s.pp) == (16, 2, 1)
+    cpu, eff = cpu_from_rates(RATES_2026_12_06, 2)
+    gbps, lat = 0.3, 200.0
+    p = predicted_hidden(s, cpu, eff, gbps, lat)
+    off, on, m = p["off"], p["on"], s.micro_batches
+    moved = rank_bytes(s, 0).a2a_bytes * 8 / (gbps * 1e9)
+    assert off["transfers"] == pytest.approx(m * (moved + 12 * lat * 1e-6), rel=1e-12)
+    assert off["split"] == on["split"] == pytest.approx(m * 3 * lat * 1e-6, rel=1e-12)
+    assert off["exposed"] == pytest.approx(off["transfers"] + off["split"], rel=1e-12)
+    assert on["unpaired"] == pytest.approx(off["transfers"] / m, rel=1e-12)
+    assert on["exposed"] == pytest.approx(on["paired"] + on["unpaired"] + on["split"], rel=1e-12)
+    assert 0 < on["paired"] < (1 - 1 / m) * off["transfers"]
+    # the paired term is the slots' excesses (of one MoE block's compute and its host time, as a CPU
+    # rank's thread runs both): grows with the transfers, vanishes when they are short
+    assert _paired_a2a_exposed(1e-9, 1.0, 0.5, Mechanisms(a2a_overlap=True)) == 0.0
+    slow = predicted_hidden(s, cpu, eff, gbps / 4, lat)
+    assert slow["on"]["paired"] > 4 * on["paired"]
+    saved = json.loads((ROOT / "docs" / "bench" / "overlap_2026-12-06.json").read_text())
+    row = next(r for r in predict_rows(saved, 1, 1, RATES_2026_12_06) if r["setting"] == "a2a = 1 x compute")
+    assert row["ratio"] == pytest.approx(1.0, rel=1e-3)
+    assert min(row["measured"]) <= row["at_ratio"]["hidden"] <= max(row["measured"])
+
+
 @pytest.mark.parametrize("name,gpus,gpu", [("deepseek_v3_671b.yaml", 2048, "h800"), ("llama3_405b.yaml", 16384, "h100")])
 def test_search_is_fast_and_fits(name, gpus, gpu):
     cfg = _cfg(name)

@@ -106,7 +106,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     t.add_argument("--gemm-dtype", choices=("bf16", "fp8"), default=None,
                    help="GEMM precision (attention stays bf16); default bf16, or the published run's")
     t.add_argument("--overlap", action="store_true", help="model the all-to-all hidden behind the other "
-                   "micro-batch's compute (min(compute, all-to-all) hidden; this trainer does not do it yet)")
+                   "micro-batch's compute, as parallel.overlap=a2a runs it (pp 1, and pp > 1 under interleaved "
+                   "1F1B): each transfer hides behind the one compute phase of the partner beside it; the "
+                   "warm-up and cool-down chunks and the split-size exchanges stay exposed")
     t.add_argument("--load", metavar="RUN_DIR", help="natural load imbalance measured from a run's expert_load/")
     t.add_argument("--imbalance", type=float, help="natural load imbalance: the busiest EP rank's load / mean")
     t.add_argument("--gpu-set", action="append", default=[], metavar="KEY=VALUE",
@@ -173,7 +175,7 @@ def _run_time(args, argv) -> int:
     else:
         cfg = load_config(args.config, args.set, read_init_from=True)
         setup = setup_from_config(cfg, args.gpus, args.zero, args.gpus_per_node)
-        # parallel.overlap=a2a: the trainer pairs micro-batches as --overlap models (at pp = 1, resolve.py)
+        # parallel.overlap=a2a: the trainer pairs micro-batches as --overlap models (pp 1, interleaved pp > 1)
         mech = time_mod.trainer_mechanisms(cfg.train.compile, a2a_overlap=cfg.parallel.overlap == "a2a")
     mech = time_mod.dataclasses.replace(mech, a2a_overlap=mech.a2a_overlap or args.overlap,
                                         gemm_dtype=args.gemm_dtype or mech.gemm_dtype)

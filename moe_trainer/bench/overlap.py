@@ -12,6 +12,14 @@ the timed steps of each run, ratios per round, reported as the median over round
   speedup = step time off / on
   hidden  = 1 - exposed wait on / exposed wait off (time.exposed_all_to_all_s: the time a rank waited
             for its all-to-alls; blocking, that is their whole time)
+
+    python -m moe_trainer.bench.overlap --predict docs/bench/overlap_2026-12-06.json [--pp 2 --v 2]
+
+--predict runs nothing of the trainer: it sets the step model's hidden fraction (plan/time.py
+stage_a2a_exposure, what `tools/plan.py --time --overlap` uses) beside the measured ones of a saved
+--json, for each linked setting: the same shapes (moe_tiny, micro-batches of 1, 16 per step, ep 2; pp
+and v from the file, else the flags), the link the run calibrated (its bandwidth and latency), on the
+CPU model of this machine (bench.plan_time.cpu_model: the rates measured now, one thread per rank).
 """
 from __future__ import annotations
 
@@ -68,6 +76,84 @@ def figures(rows: list[dict], warmup: int) -> dict:
     return med
 
 
+def _link(overrides: list[str]) -> tuple[float, float]:
+    """(gbps, latency_us) of a setting's overrides."""
+    kv = dict(o.split("=", 1) for o in overrides)
+    return float(kv.get("debug.link_gbps", 0)), float(kv.get("debug.link_latency_us", 0))
+
+
+def model_setup(pp: int, v: int):
+    """The bench's runs as the planner's Setup and config (2 ep ranks on each of pp stages, one node)."""
+    from ..plan.work import setup_from_config
+    from ..resolve import load_config
+    sets = BASE + [f"parallel.pp={pp}", f"parallel.virtual_stages={v}", "train.dtype=fp32"]
+    cfg = load_config(str(ROOT / CONFIG), sets)
+    return setup_from_config(cfg, 2 * pp, gpus_per_node=2 * pp), cfg
+
+
+def predicted_hidden(s, cpu, eff, gbps: float, latency_us: float, stage: int = 0) -> dict:
+    """The step model's all-to-all terms for the bench's setup `s` on rank `stage` with the link at `gbps`
+    and `latency_us` (the links between the CPU ranks replaced by it), off and on, and the hidden share."""
+    import dataclasses
+    from ..plan.time import Mechanisms, stage_a2a_exposure
+    link = dataclasses.replace(cpu, nvlink_gbs=gbps / 8, net_gbs=gbps / 8)
+    eff = dataclasses.replace(eff, a2a=1.0, a2a_latency_us=latency_us)
+    off = stage_a2a_exposure(s, stage, link, eff, Mechanisms(host="inline"), 1.0)
+    on = stage_a2a_exposure(s, stage, link, eff, Mechanisms(host="inline", a2a_overlap=True), 1.0)
+    return {"off": off, "on": on, "hidden": 1 - on["exposed"] / off["exposed"]}
+
+
+def predict_rows(saved: dict, pp: int, v: int, rates: dict) -> list[dict]:
+    """For every linked setting of a saved --json (`saved`), the model's hidden fraction on the CPU model
+    of `rates` (bench.plan_time's), twice: with the file's link (its bandwidth and latency), and with the
+    link set as the bench sets it but on the model's own figures (the model's bytes take the setting's
+    ratio x the model's compute), which leaves out the compute model's error; and the measured ones."""
+    from ..plan.time import Mechanisms, step_time
+    from .plan_time import cpu_from_rates
+    pp, v = saved.get("pp", pp), saved.get("v", v)
+    s, _ = model_setup(pp, v)
+    cpu, eff = cpu_from_rates(rates, 2 * pp)
+    blocking = step_time(s, cpu, eff, Mechanisms(host="inline"), 1.0)
+    compute = blocking.compute + blocking.host_wait  # a CPU rank's host time is its compute time too
+    cal = saved["calibration"]
+    rows = []
+    for name, overrides in saved["settings"].items():
+        gbps, lat = _link(overrides)
+        if not gbps and not lat:
+            continue
+        ratio = cal["a2a_bytes"] * 8 / (gbps * 1e9) / cal["time.compute_s"] if gbps else 0.0
+        own = predicted_hidden(s, cpu, eff, gbps, lat)
+        model_bytes = own["off"]["transfers"] * gbps * 1e9 / 8  # at no latency: bytes over the link's rate
+        at_ratio = predicted_hidden(s, cpu, eff, model_bytes * 8 / (ratio * compute) / 1e9, lat) if ratio else own
+        rows.append({"setting": name, "ratio": ratio, "file_link": own, "at_ratio": at_ratio,
+                     "model_ratio": own["off"]["transfers"] / compute, "compute": compute,
+                     "measured": saved["results"][name]["hidden"]})
+    return rows
+
+
+def predict_table(path: str, pp: int, v: int, measure: bool) -> list[dict]:
+    """predict_rows on the rates measured now (measure) or the documented 2-rank ones, printed."""
+    from .plan_time import RATES_2026_12_06, cpu_model
+    saved = json.loads(Path(path).read_text())
+    rates = RATES_2026_12_06
+    if measure:  # the rates at the bench's shapes on one rank's model (the parallel layout at its defaults)
+        from ..resolve import load_config
+        one = load_config(str(ROOT / CONFIG), [o for o in BASE if not o.startswith("parallel.")] + ["train.dtype=fp32"])
+        rates = cpu_model(one, 2 * saved.get("pp", pp), 1)[2]
+    rows = predict_rows(saved, pp, v, rates)
+    print(f"CPU model: matmul {rates['matmul_tflops']:.3f} TFLOP/s, copy {rates['copy_gbs']:.1f} GB/s, host "
+          f"{rates['host_us_per_kernel']:.1f} us per kernel, {', '.join(f'{k} {x:.2f}' for k, x in rates['efficiency'].items())}"
+          f"; predicted compute {rows[0]['compute']:.2f} s a step (measured {saved['calibration']['time.compute_s']:.2f})"
+          if rows else "no linked setting in the file")
+    print("\n| setting | predicted hidden (bench's ratio) | exposed on: paired / unpaired / split (s) | predicted "
+          "hidden (file's link; model's a2a / compute) | measured hidden |\n|---|---|---|---|---|")
+    for r in rows:
+        on = r["at_ratio"]["on"]
+        print(f"| {r['setting']} | {r['at_ratio']['hidden']:.2f} | {on['paired']:.2f} / {on['unpaired']:.2f} / "
+              f"{on['split']:.3f} | {r['file_link']['hidden']:.2f} ({r['model_ratio']:.2f}) | {spread(r['measured'])} |")
+    return rows
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
 
@@ -79,10 +165,18 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--predict", default=None, metavar="JSON",
+                    help="run nothing: the planner's hidden fraction beside a saved --json's measured ones")
+    ap.add_argument("--measure-rates", action="store_true",
+                    help="with --predict: measure this machine's rates now (bench.plan_time.cpu_model, minutes "
+                         "under load) instead of the 2026-12-06 2-rank figures")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B, each with ep 2: 2 pp ranks a run)")
     ap.add_argument("--v", type=int, default=1, help="chunks per pipeline rank (parallel.virtual_stages; "
                                                      "overlap at pp > 1 needs v >= 2)")
     a = ap.parse_args(argv)
+    if a.predict:
+        predict_table(a.predict, a.pp, a.v, a.measure_rates)
+        return
     total = a.steps + a.warmup
     tmp = Path(tempfile.mkdtemp(prefix="bench_overlap_"))
     cal = figures(run(tmp / "calibrate", total, [], a.pp, a.v), a.warmup)
@@ -112,7 +206,7 @@ def main(argv=None) -> None:
         print(f"| {name} | {spread([x['step_time_s'] for x in off])} | {spread([y['step_time_s'] for y in on])} | "
               f"{spread(speed)} | {spread(hidden)} | {spread([y['time.exposed_all_to_all_s'] for y in on])} |")
     if a.json:
-        Path(a.json).write_text(json.dumps({"calibration": cal, "settings": settings, "results": summary}, indent=1))
+        Path(a.json).write_text(json.dumps({"pp": a.pp, "v": a.v, "calibration": cal, "settings": settings, "results": summary}, indent=1))
 
 
 if __name__ == "__main__":

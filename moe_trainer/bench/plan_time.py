@@ -110,24 +110,42 @@ def kernel_efficiency(cfg, s, peak_tflops: float) -> dict:
             "attn_bwd": bwd_flops / bwd_s / peak}
 
 
-def predict(ranks: int, threads: int) -> dict:
-    """The model's step for moe_tiny on `ranks` CPU ranks of `threads` threads each."""
+# the 2-rank run of 2026-12-06 02:48 UTC (docs/PLANS.md, "The CPU as a calibration point"): one thread per
+# rank; the efficiencies were measured at 1 rank (the table's figures), the copy bandwidth too
+RATES_2026_12_06 = {"matmul_tflops": 0.110, "copy_gbs": 32.0, "host_us_per_kernel": 33.6,
+                    "efficiency": {"grouped": 0.32, "attn_fwd": 0.13, "attn_bwd": 0.25}}
+
+
+def cpu_from_rates(rates: dict, ranks: int) -> tuple[Gpu, Efficiency]:
+    """The step model's "GPU" and efficiencies of this machine from its measured `rates` (cpu_model's)."""
+    bw = rates["copy_gbs"] * 1e9
+    cpu = Gpu("this CPU", rates["matmul_tflops"], 0.0, bw / 1e12, bw / 1e9, bw / 1e9, ranks,
+              "measured: metrics.measure_matmul_tflops and a tensor copy")
+    eff = Efficiency(gemm=1.0, memory=1.0, nvlink=1.0, net=1.0, a2a=1.0, host_eager_us=rates["host_us_per_kernel"],
+                     launch_us=0.0, graph_us=0.0, sync_us=0.0, **rates["efficiency"])
+    return cpu, eff
+
+
+def cpu_model(cfg, ranks: int, threads: int) -> tuple[Gpu, Efficiency, dict]:
+    """This machine as the step model's "GPU" for `cfg` on `ranks` CPU ranks of `threads` threads each:
+    the measured rates stand in for the datasheet's peaks and efficiencies (the links: shared memory at
+    the copy bandwidth), and the measured figures themselves."""
     torch.set_num_threads(threads)
     tflops = measure_matmul_tflops(torch.float32, torch.device("cpu"))
-    bw = copy_bandwidth()
-    cpu = Gpu(f"this CPU ({threads} threads per rank)", tflops, 0.0, bw / 1e12, bw / 1e9, bw / 1e9, ranks,
-              "measured: metrics.measure_matmul_tflops and a tensor copy")
-    cfg = load_config(str(ROOT / CONFIG), ["train.dtype=fp32"])
-    host_us = host_us_per_kernel(cfg)
-    # the measured rates stand in for the datasheet's efficiencies; a CPU rank runs each op in the thread that dispatches it (host "inline"); its reads of the
+    # a CPU rank runs each op in the thread that dispatches it (host "inline"); its reads of the
     # tokens-per-expert counts are part of the measured host time
+    rates = {"matmul_tflops": tflops, "copy_gbs": copy_bandwidth() / 1e9, "host_us_per_kernel": host_us_per_kernel(cfg),
+             "efficiency": kernel_efficiency(cfg, setup_from_config(cfg, ranks, gpus_per_node=ranks), tflops)}
+    return (*cpu_from_rates(rates, ranks), rates)
+
+
+def predict(ranks: int, threads: int) -> dict:
+    """The model's step for moe_tiny on `ranks` CPU ranks of `threads` threads each."""
+    cfg = load_config(str(ROOT / CONFIG), ["train.dtype=fp32"])
+    cpu, eff, rates = cpu_model(cfg, ranks, threads)
     s = setup_from_config(cfg, ranks, gpus_per_node=ranks)
-    measured = kernel_efficiency(cfg, s, tflops)
-    eff = Efficiency(gemm=1.0, memory=1.0, nvlink=1.0, net=1.0, a2a=1.0, host_eager_us=host_us, launch_us=0.0,
-                     graph_us=0.0, sync_us=0.0, **measured)
     r = step_time(s, cpu, eff, Mechanisms(host="inline"), 1.0)
-    return {"matmul_tflops": tflops, "copy_gbs": bw / 1e9, "host_us_per_kernel": host_us,
-            "efficiency": measured, "step_s": r.step,
+    return {**rates, "step_s": r.step,
             "compute_s": r.compute, "exposed_comm_s": r.exposed_comm, "optimizer_s": r.optimizer,
             "host_s": r.host_wait}
 

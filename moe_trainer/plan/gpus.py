@@ -68,6 +68,10 @@ class Efficiency:
     launch_us: float = 9.0  # host time per kernel launched from compiled or fused code (no CUDA graph)
     graph_us: float = 40.0  # host time per call of a compiled graph (guards, wrapper): forward and backward
     sync_us: float = 15.0  # one device-to-host read of a small tensor: its copy and the stream drain's latency
+    # an expert all-to-all's fixed time per call, whatever its bytes: every row transfer pays it, and so does
+    # the dispatcher's split-size exchange (one per MoE block and forward pass, blocking in both executors);
+    # 0 on the GPUs (not measured here), the emulated link's debug.link_latency_us on CPU ranks
+    a2a_latency_us: float = 0.0
 
 
 EFFICIENCY_SOURCES = {
@@ -112,6 +116,9 @@ EFFICIENCY_SOURCES = {
     "sync_us": "an estimate, not a measurement: a small cudaMemcpy device-to-host plus the stream's drain, "
                "order 10-20 us; what the read costs is mostly the queue it drains, which the model counts "
                "apart (no run here moves by more than 0.4% between 0 and 30 us)",
+    "a2a_latency_us": "0 on the GPUs: no all-to-all latency measured here (a term the model carries: each row "
+                      "transfer and each blocking split-size exchange pay it); on CPU ranks the emulated link's "
+                      "debug.link_latency_us (bench.overlap --predict)",
 }
 
 

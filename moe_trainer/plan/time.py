@@ -88,7 +88,8 @@ def trainer_mechanisms(compile_setting, a2a_overlap: bool = False, gemm_dtype: s
 TRAINER_OVERLAPS = {
     "tensor parallel": "no (collectives between the GEMMs)",
     "context parallel": "no (K/V all-gather before attention)",
-    "expert all-to-all": "only with parallel.overlap a2a at pp 1 (off by default; --overlap models it)",
+    "expert all-to-all": "with parallel.overlap a2a, at pp 1 and under interleaved 1F1B at pp > 1 (off by "
+                         "default; --overlap models it); the split-size exchange stays blocking",
     "pipeline send/recv": "no (blocking sends between the schedule's steps)",
     "ZeRO-1 reductions": "no (DeepSpeed's overlap_comm is off: parallel/zero.py writes stage 1 only)",
 }
@@ -273,6 +274,12 @@ def comm_seconds(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, imbalance: flo
         nvlink = a2a
         net = rb.a2a_layers * imbalance * node_dedup_bytes(s, 1 if mech.fp8_dispatch else s.act_bytes)
     a2a_s = max(nvlink / (gpu.nvlink_gbs * eff.a2a * 1e9), net / (gpu.net_gbs * eff.a2a * 1e9)) if a2a else 0.0
+    # the fixed time per call: each MoE block and pass sends two row transfers (dispatch, combine), and each
+    # forward pass (recomputation's too) first exchanges the split sizes, a blocking all-to-all of a few bytes
+    lat = eff.a2a_latency_us * 1e-6 if a2a else 0.0
+    moe_blocks = sum(is_moe_layer(s.ffn, i) for i in stage_blocks(s, stage))
+    a2a_s += 2 * rb.a2a_layers * lat
+    split_s = (rb.a2a_layers - moe_blocks) * lat
     node = s.gpus_per_node
     p2p_across = s.gpus > node
     p2p_s = rb.p2p_bytes / ((gpu.net_gbs * eff.net if p2p_across else gpu.nvlink_gbs * eff.nvlink) * 1e9)
@@ -287,7 +294,7 @@ def comm_seconds(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, imbalance: flo
         _ring_seconds(expert.total, s.edp, expert_stride, node, gpu, eff)
     return {"tensor": _ring_seconds(rb.tp_bytes, s.tp, 1, node, gpu, eff),
             "context": _ring_seconds(rb.cp_bytes, s.cp, s.tp, node, gpu, eff),
-            "all_to_all": a2a_s, "pipeline": p2p_s if s.pp > 1 else 0.0, "data_parallel": dp_s,
+            "all_to_all": a2a_s, "a2a_split": split_s, "pipeline": p2p_s if s.pp > 1 else 0.0, "data_parallel": dp_s,
             "shard_params": (rb.dense_params / group + rb.expert_params / s.edp)}
 
 
@@ -318,17 +325,55 @@ def _paired_a2a_exposed(a2a: float, dev: float, attn_share: float, mech: Mechani
     return sum(max(0.0, comm - comp) for comm, comp in slots)
 
 
+def a2a_exposure(a2a: float, split: float, moe_block: tuple, mech: Mechanisms, host_moe: float = 0.0) -> dict:
+    """The expert all-to-all a rank waits for per micro-batch, term by term (seconds):
+    - paired: the transfers of the paired micro-batches, each hidden only behind the partner's compute
+      phase beside it (`_paired_a2a_exposed`, per MoE block), over the share of chunks that run paired;
+    - unpaired: the schedule's warm-up forwards and cool-down backwards (`unpaired_share`), whose
+      transfers nothing hides: their whole time;
+    - split: the dispatcher's split-size exchange before each dispatch, blocking in both executors (the
+      rows' sizes must be on the host before the dispatch is issued): its whole time, latency-bound.
+    Without the overlap every transfer is exposed (paired 0, unpaired all of `a2a`). `a2a`: the row
+    transfers' seconds per micro-batch, `split` the exchanges'; `moe_block`: (MoE blocks, device seconds
+    of one, its attention side's share, the unpaired share); `host_moe`: host seconds of one MoE block
+    that the partner's transfers also hide behind (a CPU rank, host "inline": its thread runs the kernels
+    it dispatches, so a phase lasts its host time and its arithmetic)."""
+    n_moe, dev_moe, attn_share, unpaired = moe_block
+    if not (mech.a2a_overlap and n_moe):
+        return {"paired": 0.0, "unpaired": a2a, "split": split, "exposed": a2a + split}
+    paired = (1 - unpaired) * n_moe * _paired_a2a_exposed(a2a / n_moe, dev_moe + host_moe, attn_share, mech)
+    return {"paired": paired, "unpaired": unpaired * a2a, "split": split,
+            "exposed": paired + unpaired * a2a + split}
+
+
+def stage_a2a_exposure(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms,
+                       imbalance: Optional[float] = None) -> dict:
+    """Per step on one rank of `stage`: the all-to-alls' own time ("transfers": the row transfers,
+    "split": the split-size exchanges) and what the rank waits for of them, term by term
+    (`a2a_exposure`: "paired", "unpaired", "split", "exposed"), seconds."""
+    f = uniform_imbalance(s) if imbalance is None else imbalance
+    comm = comm_seconds(s, stage, gpu, eff, f, mech)
+    host = host_seconds(s, stage, eff, mech)
+    terms = a2a_exposure(comm["all_to_all"], comm["a2a_split"], _moe_block(s, stage, gpu, eff, mech, f), mech,
+                         _moe_launch(host) if mech.host == "inline" else 0.0)
+    m = s.micro_batches
+    return {"transfers": m * comm["all_to_all"], **{k: m * v for k, v in terms.items()}}
+
+
+def _moe_launch(host: dict) -> float:
+    """Host seconds of one MoE block's launches (0 when the stage has none)."""
+    moe = [(n, t) for (is_moe, _), (n, t) in host["blocks"].items() if is_moe]
+    return sum(n * t for n, t in moe) / max(1, sum(n for n, _ in moe))
+
+
 def _per_micro_batch(kinds: dict, comm: dict, mech: Mechanisms, host: dict,
                      moe_block: tuple) -> tuple[float, float, dict, float]:
     """(seconds per micro-batch, compute, exposed communication by kind, host wait) of one stage.
     `moe_block`: (MoE blocks, device seconds of one, its attention side's share, the unpaired share)."""
     c = sum(kinds.values())
-    n_moe, dev_moe, attn_share, unpaired = moe_block
-    a2a = comm["all_to_all"]
-    if mech.a2a_overlap and n_moe:
-        # the schedule's warm-up forwards and cool-down backwards run alone: their transfers stay exposed
-        paired = n_moe * _paired_a2a_exposed(a2a / n_moe, dev_moe, attn_share, mech)
-        a2a = (1 - unpaired) * paired + unpaired * a2a
+    n_moe, dev_moe = moe_block[:2]
+    a2a = a2a_exposure(comm["all_to_all"], comm.get("a2a_split", 0.0), moe_block, mech,
+                       _moe_launch(host) if mech.host == "inline" else 0.0)["exposed"]
     exposed = {
         "tensor": max(0.0, comm["tensor"] - kinds["gemm"]) if mech.tp_overlap else comm["tensor"],
         "context": max(0.0, comm["context"] - kinds["attention"]) if mech.tp_overlap else comm["context"],
@@ -343,7 +388,7 @@ def _per_micro_batch(kinds: dict, comm: dict, mech: Mechanisms, host: dict,
         # the read drains the stream: the host cannot run ahead past a MoE block, so each one takes the
         # longer of its device time (compute and exposed all-to-all) and its launches; the rest of the
         # stage (dense blocks, head) overlaps as a whole
-        moe_launch = sum(n * t for (is_moe, _), (n, t) in host["blocks"].items() if is_moe) / max(1, n_moe)
+        moe_launch = _moe_launch(host)
         moe_dev = dev_moe + a2a / max(1, n_moe)
         rest_dev, rest_launch = device - n_moe * moe_dev, launch - n_moe * moe_launch
         busy = n_moe * max(moe_dev, moe_launch) + max(rest_dev, rest_launch) + host["syncs"]
@@ -436,7 +481,8 @@ def step_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms = TRAINER_TO
     flops = model_flops_per_token(s)
     tflops = flops * tokens / total / 1e12
     split = {**{k: m * v_ for k, v_ in exposed.items()}, "data_parallel": dp_exposed}
-    totals = {**{k: m * comm[k] for k in ("tensor", "context", "all_to_all", "pipeline")}, "data_parallel": dp,
+    totals = {**{k: m * comm[k] for k in ("tensor", "context", "pipeline")},
+              "all_to_all": m * (comm["all_to_all"] + comm["a2a_split"]), "data_parallel": dp,
               **{f"compute.{k}": m * v_ for k, v_ in kinds.items()}}
     return StepTime(compute=m * c, exposed_comm=sum(split.values()), bubble=bubble, optimizer=optimizer,
                     step=total, tokens_per_s_per_gpu=tokens / total, model_tflops_per_gpu=tflops,
