@@ -249,6 +249,13 @@ def test_overlap_exposure_is_its_terms_and_meets_the_bench():
     assert _paired_a2a_exposed(1e-9, 1.0, 0.5, Mechanisms(a2a_overlap=True)) == 0.0
     slow = predicted_hidden(s, cpu, eff, gbps / 4, lat)
     assert slow["on"]["paired"] > 4 * on["paired"]
+    # the executor's order replayed: a forward and a backward transfer in flight together, the emulated
+    # link holding each to its own deadline, so with no compute the rank waits for one, not both
+    from moe_trainer.bench.overlap import executor_timeline
+    assert executor_timeline([0.0, 0.0], [0.0, 0.0], 1.0) == 1.0
+    assert executor_timeline([1.0, 1.0], [2.0, 2.0], 0.5) == 0.0  # each transfer shorter than the stage beside it
+    # F0 (to 1), B1 (to 3), F1 waits for f (issued at 1, to 4), B0 for b (issued at 3, to 6 after F1 ends at 5)
+    assert executor_timeline([1.0, 1.0], [2.0, 2.0], 3.0) == pytest.approx(1.0 + 1.0)
     saved = json.loads((ROOT / "docs" / "bench" / "overlap_2026-12-06.json").read_text())
     row = next(r for r in predict_rows(saved, 1, 1, RATES_2026_12_06) if r["setting"] == "a2a = 1 x compute")
     assert row["ratio"] == pytest.approx(1.0, rel=1e-3)

@@ -103,6 +103,53 @@ def predicted_hidden(s, cpu, eff, gbps: float, latency_us: float, stage: int = 0
     return {"off": off, "on": on, "hidden": 1 - on["exposed"] / off["exposed"]}
 
 
+def executor_timeline(fwd: list[float], bwd: list[float], transfer: float) -> float:
+    """The wait of one overlapped pair as overlap.StagedPair._run orders it, on one rank's clock: the
+    forward's stage k (seconds fwd[k]) and the backward's stages (bwd[k], run from the last) take turns;
+    each stage but the last issues an all-to-all of `transfer` seconds that the next stage of the same
+    micro-batch waits for. Transfers in flight at once do not slow each other (the emulated link holds
+    each to its own deadline; one shared link or NCCL's one stream would serialise them), so a rank
+    waiting for one lets the other's run: what the slot model (plan/time.py) does not credit."""
+    clock, waited = [0.0], [0.0]
+
+    def run(stages):
+        done = None
+        for k, sec in enumerate(stages):
+            if done is not None:
+                waited[0] += max(0.0, done - clock[0])
+                clock[0] = max(clock[0], done)
+            clock[0] += sec
+            done = clock[0] + transfer if k < len(stages) - 1 else None
+            yield
+
+    from ..parallel.overlap import StagedPair
+    StagedPair._run(run(fwd), run(bwd[::-1]))  # the executor's own turn-taking: the forward first
+    return waited[0]
+
+
+def timeline_hidden(s, cpu, eff, exposure_off: dict) -> float:
+    """The hidden fraction executor_timeline gives for rank 0 of the bench's setup `s` at pp 1: a forward
+    of stages (attention side: first MoE block's A with the rest of the micro-batch's compute outside the
+    MoE blocks, i.e. the embedding, dense layers and head; then per MoE block B, C + the next A, ..., the
+    last C), backward stages twice the forward's, per-block compute and host time from the step model,
+    its transfers the blocking run's (`exposure_off`) over the 4 a block makes per micro-batch; micro-batch
+    0's forward and the last backward wait for each of their transfers whole."""
+    from ..plan.time import Mechanisms, _moe_block, host_seconds, _moe_launch, stage_compute
+    mech = Mechanisms(host="inline")
+    n, dev, share, _ = _moe_block(s, 0, cpu, eff, mech, 1.0)
+    host = host_seconds(s, 0, eff, mech)
+    block = dev + _moe_launch(host)
+    whole = sum(stage_compute(s, 0, cpu, eff, mech, 1.0).values()) + sum(k * t for k, t in host["blocks"].values())
+    attn, mlp = block * share / 3, block * (1 - share) / 3  # forward thirds
+    fwd = [attn + (whole - n * block) / 3] + [mlp, attn] * (n - 1) + [mlp, attn]
+    m = s.micro_batches
+    transfer = exposure_off["transfers"] / m / (4 * n)
+    pair = executor_timeline(fwd, [2 * x for x in fwd], transfer)
+    alone = 4 * n * transfer  # micro-batch 0's forward and the last backward: 2n transfers each
+    on = (m - 1) * pair + alone + exposure_off["split"]
+    return 1 - on / exposure_off["exposed"]
+
+
 def predict_rows(saved: dict, pp: int, v: int, rates: dict) -> list[dict]:
     """For every linked setting of a saved --json (`saved`), the model's hidden fraction on the CPU model
     of `rates` (bench.plan_time's), twice: with the file's link (its bandwidth and latency), and with the
@@ -125,7 +172,8 @@ def predict_rows(saved: dict, pp: int, v: int, rates: dict) -> list[dict]:
         own = predicted_hidden(s, cpu, eff, gbps, lat)
         model_bytes = own["off"]["transfers"] * gbps * 1e9 / 8  # at no latency: bytes over the link's rate
         at_ratio = predicted_hidden(s, cpu, eff, model_bytes * 8 / (ratio * compute) / 1e9, lat) if ratio else own
-        rows.append({"setting": name, "ratio": ratio, "file_link": own, "at_ratio": at_ratio,
+        timeline = timeline_hidden(s, cpu, eff, at_ratio["off"]) if pp == 1 else None
+        rows.append({"setting": name, "ratio": ratio, "file_link": own, "at_ratio": at_ratio, "timeline": timeline,
                      "model_ratio": own["off"]["transfers"] / compute, "compute": compute,
                      "measured": saved["results"][name]["hidden"]})
     return rows
@@ -146,11 +194,14 @@ def predict_table(path: str, pp: int, v: int, measure: bool) -> list[dict]:
           f"; predicted compute {rows[0]['compute']:.2f} s a step (measured {saved['calibration']['time.compute_s']:.2f})"
           if rows else "no linked setting in the file")
     print("\n| setting | predicted hidden (bench's ratio) | exposed on: paired / unpaired / split (s) | predicted "
-          "hidden (file's link; model's a2a / compute) | measured hidden |\n|---|---|---|---|---|")
+          "hidden (file's link; model's a2a / compute) | executor timeline, concurrent transfers | measured hidden |"
+          "\n|---|---|---|---|---|---|")
     for r in rows:
         on = r["at_ratio"]["on"]
+        line = "-" if r["timeline"] is None else f"{r['timeline']:.2f}"
         print(f"| {r['setting']} | {r['at_ratio']['hidden']:.2f} | {on['paired']:.2f} / {on['unpaired']:.2f} / "
-              f"{on['split']:.3f} | {r['file_link']['hidden']:.2f} ({r['model_ratio']:.2f}) | {spread(r['measured'])} |")
+              f"{on['split']:.3f} | {r['file_link']['hidden']:.2f} ({r['model_ratio']:.2f}) | {line} | "
+              f"{spread(r['measured'])} |")
     return rows
 
 
