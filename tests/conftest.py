@@ -1,11 +1,15 @@
 """Shared test helpers: launching the real trainer and reading what it leaves."""
 from __future__ import annotations
 
+import atexit
 import base64
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -60,9 +64,9 @@ def env() -> dict:
 
 
 def launch(n: int, out_dir: Path, overrides: list[str], config: str = "configs/moe_tiny.yaml",
-           timeout: int = 300, launcher: str = "deepspeed", max_restarts: Optional[int] = None
-           ) -> subprocess.CompletedProcess:
-    """Run the trainer under a real launcher with n ranks; returns the finished process.
+           timeout: int = 300, launcher: str = "deepspeed", max_restarts: Optional[int] = None,
+           real: bool = False) -> subprocess.CompletedProcess:
+    """Run the trainer under a launcher with n ranks; returns the finished process.
 
     "deepspeed" is DeepSpeed's per-node launcher (deepspeed.launcher.launch: it spawns the
     ranks, sets their environment and ends them all when one fails), started the way the
@@ -70,8 +74,17 @@ def launch(n: int, out_dir: Path, overrides: list[str], config: str = "configs/m
     itself (its runner only adds a second `import deepspeed`, ~2 s of one core per launch, which
     the run-directory and launcher tests still pay). Under "deepspeed" and "torchrun" every rank
     runs the trainer with torch.distributed's point-to-point calls held to NCCL's rule
-    (tests/nccl_p2p_rule.py): a pipeline order that deadlocks on GPUs fails here."""
+    (tests/nccl_p2p_rule.py): a pipeline order that deadlocks on GPUs fails here.
+
+    "deepspeed" and "python" jobs are started by this worker's warm zygote (tests/zygote.py: the
+    ranks fork()ed with their imports done, in the environment DeepSpeed's launcher gives them),
+    unless `real` asks for the launcher's own processes; the restart wrapper always starts them."""
     args = [f"--config={config}"] + [a for o in overrides + [f"run.out_dir={out_dir}"] for a in ("--set", o)]
+    if launcher in ("deepspeed", "python") and max_restarts is None and not real:
+        e = env()
+        _zygote_for(e)
+        return _zygote_launch(n if launcher == "deepspeed" else 0,
+                              "nccl_p2p_rule" if launcher == "deepspeed" else "moe_trainer.train", args, e, timeout)
     if launcher == "deepspeed-cli":
         cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(n), "--master_port", str(free_port()),
                "--module", "moe_trainer.train", *args]
@@ -87,6 +100,82 @@ def launch(n: int, out_dir: Path, overrides: list[str], config: str = "configs/m
     if max_restarts is not None:  # under the restart wrapper (scripts/train.sh --max-restarts K)
         cmd = [sys.executable, "-m", "moe_trainer.restart", "--max-restarts", str(max_restarts), "--", *cmd]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+_ZYGOTE: dict = {}
+_PER_TEST = ("PYTEST_CURRENT_TEST",)  # pytest's name of the running test: the only variable that changes per test
+
+
+def _stable(e: dict) -> dict:
+    return {k: v for k, v in e.items() if k not in _PER_TEST}
+
+
+def _zygote_for(e: dict) -> None:
+    """This worker's zygote, started in environment `e` (a zygote started in another one is replaced:
+    what its imports read from the environment would not be this one's)."""
+    z = _ZYGOTE.get("proc")
+    if z is not None and z.poll() is None and _ZYGOTE["env"] == _stable(e):
+        return
+    if z is not None:
+        z.kill()
+        z.wait()
+    z = subprocess.Popen([sys.executable, "-u", "-m", "zygote"], cwd=ROOT, env=e, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, bufsize=0)
+    _ZYGOTE.update(proc=z, env=_stable(e), buf=b"")
+    ready = _zygote_reply(120)
+    if ready is None or "ready" not in ready:
+        z.kill()
+        raise RuntimeError(f"the tests' zygote did not start: {ready!r}")
+    atexit.register(z.kill)
+
+
+def _zygote_reply(timeout: Optional[float]) -> Optional[dict]:
+    """The zygote's next reply line, or None when `timeout` seconds pass without one."""
+    fd = _ZYGOTE["proc"].stdout.fileno()
+    while b"\n" not in _ZYGOTE["buf"]:
+        if not select.select([fd], [], [], timeout)[0]:
+            return None
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            raise RuntimeError("the tests' zygote ended")
+        _ZYGOTE["buf"] += chunk
+    line, _ZYGOTE["buf"] = _ZYGOTE["buf"].split(b"\n", 1)
+    return json.loads(line)
+
+
+def _zygote_launch(n: int, module: str, args: list[str], e: dict, timeout: float) -> subprocess.CompletedProcess:
+    """One job started by the zygote (n = 0: one process without rank variables, as `python -m`)."""
+    z = _ZYGOTE["proc"]
+    cmd = ["zygote", f"n={n}", "-m", module, *args]
+    pid = None
+    with tempfile.TemporaryDirectory(prefix="job_") as d:
+        out, err = Path(d) / "stdout", Path(d) / "stderr"
+        try:
+            z.stdin.write((json.dumps({"module": module, "args": args, "n": n, "port": free_port(), "env": e,
+                                       "cwd": str(ROOT), "stdout": str(out), "stderr": str(err)}) + "\n").encode())
+            z.stdin.flush()
+            pid = _zygote_reply(None)["pid"]
+            done = _zygote_reply(timeout)
+        except BaseException:  # interrupted (a pytest timeout, ^C): end the job, and the zygote with its replies
+            if pid is not None:
+                _kill_group(pid)
+            z.kill()
+            z.wait()
+            raise
+        if done is None:  # past the timeout: the job ends as subprocess.run's would
+            _kill_group(pid)
+            _zygote_reply(None)
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    if done is None:
+        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, done["rc"], stdout, stderr)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the job and its ranks: a session of their own
+    except ProcessLookupError:
+        pass
 
 
 def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
