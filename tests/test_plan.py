@@ -330,9 +330,10 @@ def test_bf16_plans_count_fp32_gradients_unless_accumulated_in_bf16():
     # (The dry run of this config measures +1.07 GB at rank 0: 13 copies placed of 16, 14 layers' slot weights
     # held at its peak, 2 gradient rows; docs/BENCHMARKS_ep.md "Redundant slots".)
     row, sets = 3 * 2048 * 1024 * 2, ["train.dtype=bf16", "parallel.replace_every=1"]
+    modes = ("selective", "full")
     plans = {(rc, r): plan.make_plan(load_config("configs/moe_1b_16gpu.yaml", sets + [
-        f"parallel.recompute={rc}", f"parallel.redundant_slots={r}"]), 16) for rc in ("selective", "full") for r in (0, 2)}
-    added = {rc: [c.total - b.total for b, c in zip(plans[rc, 0].stages, plans[rc, 2].stages)] for rc in ("selective", "full")}
+        f"parallel.recompute={rc}", f"parallel.redundant_slots={r}"]), 16) for rc in modes for r in (0, 2)}
+    added = {rc: [c.total - b.total for b, c in zip(plans[rc, 0].stages, plans[rc, 2].stages)] for rc in modes}
     assert added["selective"] == [(8 * 2 + 2 * 8 * 5 + 2) * row, (7 * 2 + 7 * 5 + 2) * row]
     # full recomputation: one layer's slot weights, rebuilt in its backward (stage 0's activations then stay
     # under its gradient buckets: only the copies' weights add to its peak)

@@ -131,7 +131,8 @@ def main(argv=None) -> int:
         c_b = statistics.median(r["copies"]["copies_bytes"] for r in results)
         print(f"with {a.redundant} redundant slot(s) a rank: step time off/copies median {statistics.median(cr):.3f} "
               f"(min {min(cr):.3f}, max {max(cr):.3f}); busiest EP rank / mean "
-              f"{statistics.mean(r['copies']['share'] for r in results):.2f} (predicted {_predicted(results, 'copies')}); "
+              f"{statistics.mean(r['copies']['share'] for r in results):.2f} "
+              f"(predicted {_predicted(results, 'copies')}); "
               f"copies placed {_copies_placed(results)}; the copies' refresh and gradients "
               f"{c_b / 2 ** 10:.0f} KiB sent a rank a step, {c_s * 1e3:.1f} ms ({100 * c_s / c_step:.2f}% of the step)")
     if a.out:
