@@ -34,7 +34,6 @@ ALLOWED = {
     ("parallel/replicas.py", "layer_placement"): "the same, built once at start-up",
     ("parallel/slots.py", "owned_placement"): "a slot-owned placement's tables, built once per re-placement; "
                                               "LayerPlacement.on copies them to the device once",
-    ("parallel/slots.py", "_candidates"): "the same tables' routing candidates, built with them",
     ("parallel/slots.py", "_cache_tables"): "the redundant slots' refresh tables, built with the placement's "
                                             "(host tables, copied to the device once by LayerPlacement.on)",
     ("parallel/slots.py", "rank_loads"): "the re-placement's planning, on the interval's host-side load",

@@ -56,9 +56,9 @@ def test_layer_placement_tables():
     assert p0.cand_count.tolist() == [1, 1, 1, 1, 1, 1, 1, 1]
     slots = p0.slots(torch.tensor([6, 6, 0, 6]))
     assert slots.tolist() == [8, 8, 0, 8]  # expert 6 only on rank 1 (slot 8); expert 0 local (slot 0)
-    cand, cnt = pl.replica_candidates(torch.tensor(ROW_A), rank=0, slots_per_rank=6, num_experts=E)
+    cand, cnt = pl.replica_candidates(ROW_A, rank=0, slots_per_rank=6, num_experts=E)
     assert cand[6].tolist()[:cnt[6]] == [2] and cand[4].tolist()[:cnt[4]] == [0]
-    cand, cnt = pl.replica_candidates(torch.tensor([0, 1, 2, 3, 0, 1]), rank=1, slots_per_rank=2, num_experts=4)
+    cand, cnt = pl.replica_candidates([0, 1, 2, 3, 0, 1], rank=1, slots_per_rank=2, num_experts=4)
     assert cand[0].tolist() == [0, 4] and cnt[0] == 2  # no local replica: both
     assert pl.pick_replicas(torch.tensor([0, 0, 0, 1]), cand, cnt, offset=1).tolist() == [4, 0, 4, 5]
 

@@ -1,7 +1,7 @@
 """Online expert re-placement (parallel.replace_every) under skewed routing: step time with it on and off.
 
     python -m moe_trainer.bench.replace [--rounds 3] [--steps 24] [--every 8] [--skew 0.3] [--world 2]
-                                        [--redundant R] [--out FILE.json]
+                                        [--redundant R] [--topk K] [--set KEY=VALUE ...] [--out FILE.json]
 
 moe_tiny (16 routed experts, top-4 of 4 groups, 3 MoE layers) at ep = world (2 CPU ranks by default),
 fp32, its balancing biases skewed on purpose (debug.route_skew, expert 0 favoured most, bias updates
@@ -15,7 +15,11 @@ off/on step-time ratio, and their median with min-max; the bytes and wall time o
 its wall time amortised over `every` steps as a share of the `on` step time. With --redundant R a
 third run per round, `copies` (on, plus R redundant slots a rank: parallel.redundant_slots), follows
 `on`, and its off/copies ratio, busiest share and the copies' per-step traffic (refresh and gradients,
-comm.expert_copies*) are printed too.
+comm.expert_copies*) are printed too. --topk K routes each token to K experts (model.num_experts_per_tok;
+the config's 4 groups, 2 of them chosen, supply up to 8): with K = 1 and a strong skew one expert takes more
+than an EP rank's fair share, which no permutation of the owned slots can balance and a copy can. Per
+configuration the busiest rank's share the search predicted (`event: replace`'s
+predicted_rank_max_over_mean_after, of the decisions applied) is printed beside the measured one.
 """
 from __future__ import annotations
 
@@ -34,8 +38,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/moe_tiny.yaml"
 
 
-def run(world: int, out: Path, steps: int, every: int, skew: float, redundant: int = 0) -> list[dict]:
-    sets = [f"parallel.redundant_slots={redundant}", f"train.max_steps={steps}", "train.eval_every=0", "train.checkpoint_every=0", "train.resume=none",
+def run(world: int, out: Path, steps: int, every: int, skew: float, redundant: int = 0, topk: int = 0,
+        extra: tuple = ()) -> list[dict]:
+    sets = list(extra) + ([f"model.num_experts_per_tok={topk}"] if topk else [])
+    sets += [f"parallel.redundant_slots={redundant}", f"train.max_steps={steps}", "train.eval_every=0", "train.checkpoint_every=0", "train.resume=none",
             "train.log_every=1", "train.dtype=fp32", f"parallel.ep={world}", f"debug.route_skew={skew}",
             "model.bias_update_speed=0", f"parallel.replace_every={every}", f"run.out_dir={out}",
             "metrics.peak_tflops=1.0"]
@@ -57,7 +63,21 @@ def summary(rows: list[dict], every: int) -> dict:
                                           for r in timed),
             "copies_bytes": statistics.median(r.get("comm.expert_copies_sent_bytes", 0) +
                                               r.get("comm.expert_copies_grad_sent_bytes", 0) for r in timed),
-            "events": [r for r in rows if r.get("event") == "replace"]}
+            "events": [r for r in rows if r.get("event") == "replace"],
+            "predicted": [r["predicted_rank_max_over_mean_after"] for r in rows
+                          if r.get("event") == "replace" and r["decision"] == "apply"]}
+
+
+def _predicted(results: list[dict], key: str) -> str:
+    """The busiest rank's shares the search predicted for the re-placements it applied, over the rounds."""
+    vals = [v for r in results for v in r[key]["predicted"]]
+    return f"{min(vals):.2f}-{max(vals):.2f}" if vals else "none applied"
+
+
+def _copies_placed(results: list[dict]) -> str:
+    """Copies held after each applied decision of the `copies` runs (all layers and ranks), over the rounds."""
+    vals = [e["copies"] for r in results for e in r["copies"]["events"] if e["decision"] == "apply"]
+    return "/".join(str(v) for v in vals) if vals else "none"
 
 
 def main(argv=None) -> int:
@@ -68,19 +88,23 @@ def main(argv=None) -> int:
     ap.add_argument("--skew", type=float, default=0.3)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--redundant", type=int, default=0)
+    ap.add_argument("--topk", type=int, default=0, help="model.num_experts_per_tok (0: the config's)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="another config override for every run (e.g. model.moe_intermediate_size=512)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_replace_") as tmp:
         for i in range(a.rounds):
-            off = summary(run(a.world, Path(tmp) / f"off{i}", a.steps, 0, a.skew), a.every)
-            on = summary(run(a.world, Path(tmp) / f"on{i}", a.steps, a.every, a.skew), a.every)
+            off = summary(run(a.world, Path(tmp) / f"off{i}", a.steps, 0, a.skew, topk=a.topk, extra=a.sets), a.every)
+            on = summary(run(a.world, Path(tmp) / f"on{i}", a.steps, a.every, a.skew, topk=a.topk, extra=a.sets),
+                         a.every)
             results.append({"off": off, "on": on, "ratio": off["step_s"] / on["step_s"]})
             line = (f"round {i + 1}: off {off['step_s'] * 1e3:.0f} ms (busiest rank {off['share']:.2f}x mean), "
                     f"on {on['step_s'] * 1e3:.0f} ms ({on['share']:.2f}x), off/on {results[-1]['ratio']:.3f}")
             if a.redundant:
-                copies = summary(run(a.world, Path(tmp) / f"copies{i}", a.steps, a.every, a.skew, a.redundant),
-                                 a.every)
+                copies = summary(run(a.world, Path(tmp) / f"copies{i}", a.steps, a.every, a.skew, a.redundant,
+                                     a.topk, a.sets), a.every)
                 results[-1].update(copies=copies, copies_ratio=off["step_s"] / copies["step_s"])
                 line += (f", copies {copies['step_s'] * 1e3:.0f} ms ({copies['share']:.2f}x), "
                          f"off/copies {results[-1]['copies_ratio']:.3f}")
@@ -95,7 +119,7 @@ def main(argv=None) -> int:
     print(f"\nstep time off/on: median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}) "
           f"over {len(ratios)} rounds")
     print(f"busiest EP rank / mean: off {statistics.mean(r['off']['share'] for r in results):.2f}, "
-          f"on {statistics.mean(r['on']['share'] for r in results):.2f}")
+          f"on {statistics.mean(r['on']['share'] for r in results):.2f} (predicted {_predicted(results, 'on')})")
     print(f"re-placements applied: {len(applied)} (kept: {len(kept)}); per applied one: {moved / 2 ** 20:.2f} MiB "
           f"moved over all EP ranks, {wall * 1e3:.1f} ms wall; amortised over {a.every} steps "
           f"{100 * wall / (a.every * on_step):.2f}% of the on step time; a decision that keeps: {decide * 1e3:.1f} ms "
@@ -107,7 +131,9 @@ def main(argv=None) -> int:
         c_b = statistics.median(r["copies"]["copies_bytes"] for r in results)
         print(f"with {a.redundant} redundant slot(s) a rank: step time off/copies median {statistics.median(cr):.3f} "
               f"(min {min(cr):.3f}, max {max(cr):.3f}); busiest EP rank / mean "
-              f"{statistics.mean(r['copies']['share'] for r in results):.2f}; the copies' refresh and gradients "
+              f"{statistics.mean(r['copies']['share'] for r in results):.2f} "
+              f"(predicted {_predicted(results, 'copies')}); "
+              f"copies placed {_copies_placed(results)}; the copies' refresh and gradients "
               f"{c_b / 2 ** 10:.0f} KiB sent a rank a step, {c_s * 1e3:.1f} ms ({100 * c_s / c_step:.2f}% of the step)")
     if a.out:
         Path(a.out).write_text(json.dumps({"args": vars(a), "rounds": results}, indent=1))

@@ -134,7 +134,7 @@ def layer_placement(row: list[int], n_experts: int, ep: int, rank: int, num_node
         by_rank[r] = g
     relabeled = [e for r in range(ep) for e in row[by_rank[r] * per_rank:(by_rank[r] + 1) * per_rank]]
     phy2log = torch.tensor(relabeled, dtype=torch.int64)
-    cand, count = replica_candidates(phy2log, rank, per_rank, n_experts)
+    cand, count = replica_candidates(relabeled, rank, per_rank, n_experts)
     send_index, send_splits, recv_splits, slot_index = _fetch_plan(relabeled, n_experts // ep, ep, rank, per_rank)
     return LayerPlacement(phy2log, per_rank, rank, cand, count, send_index, send_splits, recv_splits, slot_index,
                           perm)

@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..moe.placement import rebalance_experts
+from ..moe.placement import rebalance_experts, replica_candidates
 from .comm import all_to_all_rows
 from .replicas import LayerPlacement
 
@@ -102,19 +102,6 @@ def _cache_tables(row: list[int], replicas: list[int], ep: int, rank: int):
             torch.tensor(slot_index, dtype=torch.int64))
 
 
-def _candidates(slots: list[int], rank: int, per_rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe.placement.replica_candidates on host lists (no tensor op: the dry run builds the tables under
-    fake tensors, where nonzero has no size): an expert's slots on `rank` if any, else all of them."""
-    rows = [[] for _ in range(n)]
-    for q, e in enumerate(slots):
-        if e >= 0:
-            rows[e].append(q)
-    rows = [[q for q in r if q // per_rank == rank] or r for r in rows]
-    width = max(1, max(len(r) for r in rows))
-    return (torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64),
-            torch.tensor([len(r) for r in rows], dtype=torch.int64))
-
-
 def owned_placement(row: list[int], ep: int, rank: int, replicas: Optional[list[int]] = None) -> LayerPlacement:
     """The dispatcher's tables for slot-owned experts: expert row[q] in owned slot q, no weight fetched per
     forward; with redundant slots (`replicas`) a copy routed to an expert takes one of its slots (its
@@ -123,7 +110,7 @@ def owned_placement(row: list[int], ep: int, rank: int, replicas: Optional[list[
     n = len(row)
     slots = slot_row(row, replicas, ep)
     per_rank = len(slots) // ep
-    cand, count = _candidates(slots, rank, per_rank, n)
+    cand, count = replica_candidates(slots, rank, per_rank, n)
     if per_rank == n // ep:  # no copy: nothing is fetched, slot s is parameter row s
         return LayerPlacement(torch.tensor(slots, dtype=torch.int64), per_rank, rank, cand, count,
                               torch.zeros(0, dtype=torch.int64), [0] * ep, [0] * ep, torch.arange(per_rank),
@@ -243,6 +230,12 @@ def n_copy_layers(copies: list[list[int]]) -> int:
     return sum(1 for c in copies if any(e >= 0 for e in c))
 
 
+def most_copies(copies: list[list[int]], ep: int, r: int) -> int:
+    """The most copies one EP rank holds in one MoE layer (each layer's `copies`: ep * r ids, -1 = empty)."""
+    return max((sum(1 for e in c[q * r:(q + 1) * r] if e >= 0) for c in copies for q in range(ep)), default=0) \
+        if r else 0
+
+
 def _imbalance(loads: list[torch.Tensor]) -> float:
     """Mean over layers of the busiest rank's load over the mean (1 for a layer without load)."""
     vals = [float(x.max() / x.mean()) if float(x.sum()) > 0 else 1.0 for x in loads]
@@ -307,7 +300,11 @@ class SlotExperts:
         """Move every slot's contents to placement `rows`, one MoE layer at a time (its whole state is held
         in fp32 for the move, one layer's at a time): per changed layer one all-to-all over the EP group
         and, for the optimizer state, all-reduces over the edp group; then the copies of `copies` are
-        filled (refresh). Returns the bytes this rank sent."""
+        filled (refresh). Returns the bytes this rank sent.
+
+        Every copy is refreshed, also where only copies changed or nothing did: a decision follows an
+        optimizer step, so every cache is stale then (the refresh stands in for the step's own), and the
+        new tables drop the old caches."""
         from ..checkpoint import link_optimizer_state
         link_optimizer_state(engine)  # the moments exist (zeros before the first step)
         sent = 0
@@ -466,10 +463,7 @@ class Replacer:
         # the optimizer state's edp all-reduces, not the link, set the pace)
         cost_s = max(max(per_rank) * self.expert_bytes / self.link_bytes_s, self.last_wall)
         # copies cost every step: their refresh and, each micro-batch, their gradients back to the owner
-        held = max(sum(1 for e in c[q * self.redundant:(q + 1) * self.redundant] if e >= 0)
-                   for c in copies for q in range(self.ep)) if self.redundant else 0
-        held_now = max(sum(1 for e in c[q * self.redundant:(q + 1) * self.redundant] if e >= 0)
-                       for c in cur_copies for q in range(self.ep)) if self.redundant else 0
+        held, held_now = most_copies(copies, self.ep, self.redundant), most_copies(cur_copies, self.ep, self.redundant)
         copy_s = (held - held_now) * n_copy_layers(copies) * self.copy_bytes * (1 + self.micro_batches) \
             * self.every / self.link_bytes_s
         cost_s += max(0.0, copy_s)

@@ -40,8 +40,8 @@ from .comm import (AllToAllBytes, ZeroComm, alltoall_bytes, alltoall_bytes_exact
                    tensor_parallel_extra_bytes, zero_comm)
 from .layout import Plan, StageComm, StagePlan, make_plan, plan_to_dict
 from .nodes import IB_GBPS, NVLINK_GBPS, Links, NodeTraffic, stage_node_traffic
-from .memory import (FP32, ModelStateBytes, RankParams, StageActivations, TokenActs, ZeroRow, layer_acts,
-                     model_state_bytes, rank_params, stage_activation_bytes, zero_table)
+from .memory import (FP32, CopyBytes, ModelStateBytes, RankParams, StageActivations, TokenActs, ZeroRow, copy_bytes,
+                     layer_acts, model_state_bytes, rank_params, stage_activation_bytes, zero_table)
 from .params import (GB, PARTS, PRECISIONS, ParamCount, ParamReport, PlanError, Precision, base_part, count_parameters,
                      expected_numel, is_moe_layer, layer_shapes, mtp_layers, numel, param_part, param_shapes,
                      precision_for, routed_fraction)
@@ -54,8 +54,8 @@ __all__ = [
     "tensor_parallel_extra_bytes", "zero_comm",
     "Plan", "StageComm", "StagePlan", "make_plan", "plan_to_dict",
     "IB_GBPS", "NVLINK_GBPS", "Links", "NodeTraffic", "stage_node_traffic",
-    "FP32", "ModelStateBytes", "RankParams", "StageActivations", "TokenActs", "ZeroRow", "layer_acts",
-    "model_state_bytes", "rank_params", "stage_activation_bytes", "zero_table",
+    "FP32", "CopyBytes", "copy_bytes", "ModelStateBytes", "RankParams", "StageActivations", "TokenActs", "ZeroRow",
+    "layer_acts", "model_state_bytes", "rank_params", "stage_activation_bytes", "zero_table",
     "GB", "PARTS", "PRECISIONS", "ParamCount", "ParamReport", "PlanError", "Precision", "base_part",
     "count_parameters", "expected_numel", "is_moe_layer", "layer_shapes", "mtp_layers", "numel", "param_part",
     "param_shapes", "precision_for", "routed_fraction",

@@ -9,8 +9,9 @@ from ..config import Config, ConfigError, Layout, validate_layout
 from .comm import (AllToAllBytes, ZeroComm, _kv_bytes_per_token, _passes, alltoall_bytes_expected, context_parallel_bytes,
                    pipeline_bytes, tensor_parallel_bytes, tensor_parallel_extra_bytes, zero_comm)
 from .nodes import Links, stage_node_traffic
-from .memory import (ModelStateBytes, RankParams, StageActivations, _stage_blocks, grad_reduce_bytes,
-                     micro_batch_grad_bytes, model_state_bytes, rank_params, stage_activation_bytes)
+from .memory import (CopyBytes, ModelStateBytes, RankParams, StageActivations, _stage_blocks, copy_bytes,
+                     grad_reduce_bytes, micro_batch_grad_bytes, model_state_bytes, rank_params,
+                     stage_activation_bytes)
 from .params import (GB, PRECISIONS, ParamCount, ParamReport, PlanError, Precision, count_parameters, is_moe_layer,
                      mtp_layers, precision_for)
 from .pipeline import bubble_fraction, stage_partition
@@ -44,11 +45,12 @@ class StagePlan:
     states: ModelStateBytes  # under the plan's ZeRO stage and precision
     activations: StageActivations
     activation_bytes: float  # under the config's parallel.recompute
-    total: float  # states + max(activation_bytes, grad_reduce)
+    total: float  # states + copies.cache + max(activation_bytes, grad_reduce)
     comm: StageComm
     nodes: dict = dataclasses.field(default_factory=dict)  # kind -> NodeTraffic (inside / across nodes, time)
     comm_seconds: float = 0.0  # the kinds' times added up (no overlap with compute or each other assumed)
     grad_reduce: float = 0.0  # the step boundary's gradient buckets (memory.grad_reduce_bytes)
+    copies: CopyBytes = CopyBytes()  # parallel.redundant_slots (memory.copy_bytes; in activation_bytes but the cache)
 
 
 @dataclass(frozen=True)
@@ -136,10 +138,12 @@ def _stage_plan(cfg: Config, st: _Setting, partition: list[int], stage: int, par
     blocks = _stage_blocks(cfg.model, partition, stage)
     comm = _stage_comm(cfg, st, stage, blocks, params)
     moe = sum(is_moe_layer(cfg.model, i) for i in blocks)
+    copies = copy_bytes(cfg, moe, acts.in_flight, st.precision)
+    act += copies.activations
     mtp = mtp_layers(cfg.model) if stage == len(partition) - 1 else 0
     reduce = grad_reduce_bytes(params, st.precision) if st.zero < 2 else 0.0
-    return StagePlan(stage, partition[stage], moe, mtp, params, states, acts, act, states.total + max(act, reduce),
-                     comm, grad_reduce=reduce)
+    return StagePlan(stage, partition[stage], moe, mtp, params, states, acts, act,
+                     states.total + copies.cache + max(act, reduce), comm, grad_reduce=reduce, copies=copies)
 
 
 def layout_on(cfg: Config, gpus: int, gpus_per_node: Optional[int] = None) -> Layout:

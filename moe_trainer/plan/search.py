@@ -16,8 +16,8 @@ from typing import Optional
 
 from ..config import Config, ConfigError, validate, validate_layout
 from .gpus import Efficiency, Gpu
-from .memory import model_state_bytes, rank_params, stage_activation_bytes
-from .params import GB, precision_for
+from .memory import _stage_blocks, copy_bytes, model_state_bytes, rank_params, stage_activation_bytes
+from .params import GB, is_moe_layer, precision_for
 from .pipeline import stage_partition
 from .time import Mechanisms, StepTime, step_time
 from .work import Setup, setup_from_config
@@ -71,7 +71,9 @@ def peak_memory(cfg: Config, gpus: int, node: int, partition: list[int], zero: i
         states = model_state_bytes(params, prec, zero, layout.dp * layout.cp, layout.edp)
         acts = stage_activation_bytes(cfg, partition, stage, layout.grad_accum, prec)
         act = acts.full_recompute if p.recompute == "full" else acts.no_recompute
-        worst = max(worst, states.total + act)
+        moe = sum(is_moe_layer(cfg.model, i) for i in _stage_blocks(cfg.model, partition, stage))
+        copies = copy_bytes(cfg, moe, acts.in_flight, prec)  # parallel.redundant_slots
+        worst = max(worst, states.total + act + copies.cache + copies.activations)
     return worst
 
 

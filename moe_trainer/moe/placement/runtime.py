@@ -88,27 +88,26 @@ def relabel_gpus(row: Sequence[int], num_experts: int, num_gpus: int, num_nodes:
     return perm
 
 
-def replica_candidates(phy2log: Tensor, rank: int, slots_per_rank: int, num_experts: int
+def replica_candidates(slots: Sequence[int], rank: int, slots_per_rank: int, num_experts: int
                        ) -> tuple[Tensor, Tensor]:
     """Physical slots a copy routed to each expert may go to, for tokens on EP rank `rank`
     (slot p lives on rank p // slots_per_rank): the expert's replicas on `rank` if it has any,
-    else all of its replicas.
+    else all of its replicas. Built on host lists, with no tensor op but the two results: the dry
+    run builds the tables under fake tensors, where `nonzero` has no size.
 
     Args:
-        phy2log: [R] logical expert of each physical slot.
+        slots: [R] logical expert of each physical slot (host ints; -1 = an empty slot).
     Returns:
         cand [E, W] (int64, -1 padded) and count [E] (int64, >= 1 when every expert has a slot).
     """
-    rows = []
-    for e in range(num_experts):
-        slots = (phy2log == e).nonzero().view(-1).tolist()
-        local = [p for p in slots if p // slots_per_rank == rank]
-        rows.append(local or slots)
+    rows: list[list[int]] = [[] for _ in range(num_experts)]
+    for p, e in enumerate(slots):
+        if e >= 0:
+            rows[e].append(p)
+    rows = [[p for p in r if p // slots_per_rank == rank] or r for r in rows]
     width = max(1, max(len(r) for r in rows))
-    cand = torch.full((num_experts, width), -1, dtype=torch.int64)
-    for e, r in enumerate(rows):
-        cand[e, :len(r)] = torch.tensor(r, dtype=torch.int64)
-    return cand, torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    return (torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64),
+            torch.tensor([len(r) for r in rows], dtype=torch.int64))
 
 
 def pick_replicas(expert: Tensor, cand: Tensor, count: Tensor, offset: int = 0) -> Tensor:
