@@ -22,12 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
 # a tiny MoE that trains in seconds on one core
-# The heaviest test files (minutes of multi-rank launches each; --durations, 2026-12-06), collected first so
+# The heaviest test files (minutes of real launchers, dry runs and spawned ranks each; durations, 2026-12-06), collected first so
 # that scripts/test.sh's two workers (--dist loadfile: whole files, handed out in collection order) end
-# together instead of one running a big file alone while the other idles.
-HEAVY_FIRST = ("test_fault_drill.py", "test_reliability.py", "test_pp_parity.py", "test_faults.py",
-               "test_dry_run_path.py", "test_dense_parity.py", "test_dry_run.py", "test_checkpoint_reshard.py",
-               "test_multinode.py", "test_expert_placement.py", "test_compile.py", "test_overlap.py")
+# together instead of one running a big file alone while the other idles (scripts/test.sh turns off
+# xdist's own reordering, which hands out the files with the most tests first).
+HEAVY_FIRST = ("test_fault_drill.py", "test_dry_run_path.py", "test_reliability.py", "test_plan_honesty.py",
+               "test_dry_run.py", "test_faults.py", "test_ep_accounting.py", "test_expert_placement.py",
+               "test_checkpoint_reshard.py", "test_pp_parity.py", "test_accelerator_path.py", "test_multinode.py",
+               "test_compile.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
