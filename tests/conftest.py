@@ -343,3 +343,21 @@ def one_rank_env(monkeypatch):
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
                  "LOCAL_RANK": "0", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}.items():
         monkeypatch.setenv(k, v)
+    _forget_deepspeed_groups()
+    yield
+    _forget_deepspeed_groups()
+
+
+def _forget_deepspeed_groups() -> None:
+    """DeepSpeed keeps the groups of the last engine built in this process (deepspeed.utils.groups: its clone
+    of the world group, the mpu, the expert groups); once that process group is destroyed, the next engine
+    would be handed the dead groups ("Group ... is not registered"). A new in-process world starts clean."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+        getattr(groups, name).clear()
+    for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "mpu", "mesh_device"):
+        setattr(groups, name, None)
+    groups.expert_tensor_parallel_world_size = 1
