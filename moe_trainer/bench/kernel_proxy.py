@@ -57,7 +57,7 @@ from .. import kernels
 from ..kernels import accelerator  # noqa: F401  (registers torch.ops.moe_trainer.grouped_mm)
 from ..resolve import load_config
 from ..models.deepseek_v3 import DecoderLayer
-from ..models.registry import ARCHS
+from ..models.registry import meta_model
 
 aten = torch.ops.aten
 ROOT = Path(__file__).resolve().parents[2]
@@ -243,7 +243,7 @@ def count(case: str, dtype: torch.dtype = torch.bfloat16, top: int = 10, as_cuda
     tokens = micro_batch * t
     with kernels.using("accelerator"), torch.device("meta"):
         if what == "model":
-            module = ARCHS[cfg.model.arch](cfg.model).to("meta", dtype)  # the rope buffer is built on the CPU
+            module = meta_model(cfg.model).to("meta", dtype)  # the rope buffer is built on the CPU
             ids = torch.zeros(micro_batch, t + 1, dtype=torch.int64)
             run = lambda: module(ids[:, :-1], ids[:, 1:]).loss  # noqa: E731
             moe_count = cfg.model.num_hidden_layers - cfg.model.first_k_dense_replace
