@@ -168,8 +168,9 @@ class ParallelConfig:
     # expert_placement.json when it exists at start or resume, written by `expert_load.py plan --apply`)
     expert_placement: str = "auto"
     # a2a: the expert all-to-alls of one micro-batch in flight while another computes (parallel/overlap.py;
-    # deepseek_v3, ep > 1, pp = tp = cp = 1, not compiled); none: every all-to-all waited for where it is issued
-    overlap: str = "none"
+    # deepseek_v3, ep > 1, tp = cp = 1, pp = 1 or interleaved 1F1B, no redundant slots); none: every
+    # all-to-all waited for where it is issued; auto: a2a where it runs, else none (resolve.check_overlap)
+    overlap: str = "auto"
     # online re-placement (parallel/slots.py): every N optimizer steps the experts' slots may move between
     # EP ranks (weights and optimizer state) to balance the load measured since the last placement; 0 = off.
     # replace_policy: auto (move when the predicted saving over N steps exceeds the move's cost) | always
@@ -253,7 +254,7 @@ CHOICES = {
     "parallel.schedule": ("1f1b", "gpipe"),
     "parallel.cpu_alltoall": ("shm", "gloo"),
     "parallel.cpu_p2p": ("shm", "gloo"),
-    "parallel.overlap": ("none", "a2a"),
+    "parallel.overlap": ("auto", "none", "a2a"),
     "parallel.replace_policy": ("auto", "always", "rotate"),
 }
 

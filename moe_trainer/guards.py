@@ -267,8 +267,12 @@ class Guards:
         bucketed gradient reduction runs inside it, where every rank waits for the slowest."""
         tr = self.trainer
         times = r["times"]
-        waits = sum(s for kind, s in r["comm"].get("seconds", {}).items()
-                    if not kind.endswith("_grad") and not kind.startswith("pp_"))
+        seconds = r["comm"].get("seconds", {})
+        # overlapped (parallel.overlap=a2a): a transfer's span runs from its issue to its completion,
+        # beside the other micro-batch's compute; what the forward waited is a2a_wait_forward
+        waits = seconds.get("a2a_wait_forward", 0.0) + sum(
+            s for kind, s in seconds.items()
+            if not kind.endswith("_grad") and not kind.startswith(("pp_", "overlapped_", "a2a_wait")))
         # compiled at ep > 1 the waits are inside graphs, untimed: the forward is left out on every rank
         forward = times.forward - waits if forward_waits_timed(tr.cfg) else 0.0
         mine = torch.tensor([max(times.data + forward, 0.0)], device=tr.device)

@@ -183,7 +183,9 @@ class MicroGradNorms:
         if not self._handles:
             self._handles = [p.register_hook(self._hook) for p in self.params]
 
-    def _hook(self, grad: torch.Tensor) -> None:
+    def _hook(self, grad: Optional[torch.Tensor]) -> None:
+        if grad is None:  # a weight whose gradient is held back (kernels/wgrad.py): it comes later, whole
+            return None
         sq = squared_norm(grad.detach())
         self._sq = sq if self._sq is None else self._sq + sq
         return None  # the gradient itself is unchanged

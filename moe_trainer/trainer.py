@@ -382,8 +382,8 @@ class Trainer:
         sums, spans = self.overlap.step(self.micro_batch)
         record = self.finish_step(sums, StepTimes(), t0)  # ends in a host sync: every mark is done now
         times = record["times"]
-        times.forward, times.backward = (sum(self.clock.seconds(a, b) for a, b in spans[k])
-                                         for k in ("forward", "backward"))
+        times.data, times.forward, times.backward = (sum(self.clock.seconds(a, b) for a, b in spans[k])
+                                                     for k in ("data", "forward", "backward"))
         return record
 
     def pipeline_step(self, poison: bool) -> dict:

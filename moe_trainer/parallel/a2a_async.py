@@ -18,7 +18,8 @@ became two thread hand-offs, and the split-size exchange had to take the same th
 (parallel.cpu_alltoall=gloo) and NCCL run the transfer itself in the background.
 
 A rank's wait in Inflight.wait() is the exposed all-to-all time: counted as the span kind
-"a2a_wait" (observers.py adds it to time.exposed_all_to_all_s); the transfer's own span (issue to
+"a2a_wait" (observers.py adds it to time.exposed_all_to_all_s), a forward transfer's also as
+"a2a_wait_forward" (guards.py's straggler naming takes it out of the forward); the transfer's own span (issue to
 completion) as "overlapped_<kind>" ("overlapped_dispatch", "overlapped_combine_grad", ...); its bytes
 under its kind, as the blocking path counts them.
 """
@@ -60,6 +61,8 @@ class Inflight:
             end = self.counter.mark()
             self.counter.add_span("overlapped_" + self.kind, self.start, end)
             self.counter.add_span("a2a_wait", t0, end)
+            if not self.kind.endswith("_grad"):  # a forward's share (straggler naming leaves it out)
+                self.counter.add_span("a2a_wait_forward", t0, end)
         self.x = self.work = None
         return self.out
 

@@ -240,13 +240,16 @@ class OverlapExecutor(StagedPair):
     # ------------------------------------------------------------------ the step
     def step(self, get_batch: Callable[[int], tuple]) -> tuple[dict, dict]:
         """Every micro-batch's forward and backward, then the gradient reduction and the optimizer step.
-        Returns (summed detached losses, {"forward": spans, "backward": spans})."""
+        Returns (summed detached losses, {"data": spans, "forward": spans, "backward": spans}): the
+        batches' loading, the forward's and the backward's resumptions."""
         sums: dict = {}
-        spans = {"forward": [], "backward": []}
+        spans = {"data": [], "forward": [], "backward": []}
         records: list = [None] * self.m
 
         def forward(i):
+            t0 = self.clock.mark()
             ids, labels, positions, documents = get_batch(i)
+            spans["data"].append((t0, self.clock.mark()))
             records[i] = []
             return self._timed(self._forward_poisoned({"input_ids": ids, "labels": labels, "positions": positions,
                                                        "documents": documents}, records[i]), spans["forward"])

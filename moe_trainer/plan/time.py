@@ -45,7 +45,7 @@ HOSTS = ("eager", "compiled", "fused", "graphs", "inline")
 @dataclass(frozen=True)
 class Mechanisms:
     """What the framework running the layout overlaps and how it schedules. The defaults are this
-    trainer by default: no all-to-all overlap (parallel.overlap: none), DeepSpeed ZeRO-1 without
+    trainer without the all-to-all overlap (parallel.overlap: none), DeepSpeed ZeRO-1 without
     overlap_comm (parallel/zero.py: the reduction runs after the last backward), blocking pipeline
     sends, TP/CP collectives between the GEMMs, eager glue kernels."""
 
@@ -95,9 +95,9 @@ def trainer_mechanisms(compile_setting, a2a_overlap: bool = False, gemm_dtype: s
 TRAINER_OVERLAPS = {
     "tensor parallel": "no (collectives between the GEMMs)",
     "context parallel": "no (K/V all-gather before attention)",
-    "expert all-to-all": "with parallel.overlap a2a, at pp 1 and under interleaved 1F1B at pp > 1 (off by "
-                         "default; --overlap models it), the experts' weight gradients held back behind the "
-                         "backward dispatch; the split-size exchange stays blocking",
+    "expert all-to-all": "with parallel.overlap a2a (auto, the default: where it runs), at pp 1 and under "
+                         "interleaved 1F1B at pp > 1 (--overlap models it), the experts' weight gradients held "
+                         "back behind the backward dispatch; the split-size exchange stays blocking",
     "pipeline send/recv": "no (blocking sends between the schedule's steps)",
     "ZeRO-1 reductions": "no (DeepSpeed's overlap_comm is off: parallel/zero.py writes stage 1 only)",
 }
