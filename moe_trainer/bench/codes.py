@@ -18,7 +18,10 @@ the before tree, which would refuse the key, runs its default.
 
 Jobs (the settings every tree understands, pinned so both train the same thing):
   e2e   configs/moe_bench.yaml, 1 rank with all the cores, fp32 (bench_train's "ours1")
-  ep2   configs/moe_tiny.yaml, 2 ranks, ep 2, one core each, fp32, bench_ep's batch
+  ep2   configs/moe_tiny.yaml, 2 ranks, ep 2, one core each, fp32, bench_ep's batch (2 micro-batches
+        of 2 a step per rank)
+  ep2_gas4  ep2 with a global batch of 16: 4 micro-batches a step per rank (3 overlapped pairs
+        under parallel.overlap=a2a, where ep2 has 1)
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ JOBS = {
             "sets": ["model.vocab_size=320", "train.seq_len=256", "train.micro_batch_size=2",
                      "train.global_batch_size=8", "parallel.ep=2", "parallel.dedup_dispatch=false"]},
 }
+JOBS["ep2_gas4"] = {**JOBS["ep2"], "sets": [*JOBS["ep2"]["sets"], "train.global_batch_size=16"]}
 
 
 def run_job(tree: Path, job: dict, steps: int, out: Path, threads: int,
