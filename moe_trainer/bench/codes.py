@@ -45,7 +45,8 @@ JOBS = {
             "sets": ["model.vocab_size=320", "train.seq_len=256", "train.micro_batch_size=2",
                      "train.global_batch_size=8", "parallel.ep=2", "parallel.dedup_dispatch=false"]},
 }
-JOBS["ep2_gas4"] = {**JOBS["ep2"], "sets": [*JOBS["ep2"]["sets"], "train.global_batch_size=16"]}
+JOBS["ep2_gas4"] = {**JOBS["ep2"], "sets": [s.replace("global_batch_size=8", "global_batch_size=16")
+                                            for s in JOBS["ep2"]["sets"]]}
 
 
 def run_job(tree: Path, job: dict, steps: int, out: Path, threads: int,
