@@ -111,18 +111,21 @@ def test_every_bench_module_finds_the_checkout():
 
 def test_code_comparison_alternates_trees_and_reports_after_over_before(tmp_path, monkeypatch):
     """bench/codes.py: a warm-up run per tree, then rounds alternating which tree goes first; the
-    ratio is the baseline's median step over the new tree's (faster = above 1)."""
+    ratio is the baseline's median step over the new tree's (faster = above 1); a --code-set override
+    reaches only its tree's measured runs."""
     from moe_trainer.bench import codes
     calls = []
     step = {"old": 2.0, "new": 1.0}
 
-    def fake_run(tree, job, steps, out, threads):
-        calls.append((tree.name, steps))
+    def fake_run(tree, job, steps, out, threads, extra=()):
+        calls.append((tree.name, steps, *extra))
         return [9.0] * 2 + [step[tree.name]] * (steps - 2), 100.0
     monkeypatch.setattr(codes, "run_job", fake_run)
     trees = {"before": tmp_path / "old", "after": tmp_path / "new"}
-    res = codes.compare(trees, ["ep2"], steps=5, warmup=2, rounds=3, threads=2, log=None)
-    assert calls == [("old", 1), ("new", 1), ("old", 5), ("new", 5), ("new", 5), ("old", 5), ("old", 5), ("new", 5)]
+    res = codes.compare(trees, ["ep2"], steps=5, warmup=2, rounds=3, threads=2, log=None,
+                        code_sets={"after": ["parallel.overlap=a2a"]})
+    new = ("new", 5, "parallel.overlap=a2a")
+    assert calls == [("old", 1), ("new", 1), ("old", 5), new, new, ("old", 5), ("old", 5), new]
     assert res["ep2"]["ratio"] == {"ratio": 2.0, "low": 2.0, "high": 2.0}
     assert res["ep2"]["after"]["tok_s"] == 100.0 and res["ep2"]["before"]["tok_s"] == 50.0
     assert "**2.00x**" in codes.table(res, list(trees))

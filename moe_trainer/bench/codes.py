@@ -2,6 +2,7 @@
 
     python -m moe_trainer.bench.codes --code before=/tmp/old --code after=. [--jobs e2e,ep2]
                                       [--steps 10] [--warmup 3] [--rounds 3] [--json PATH]
+                                      [--code-set after=parallel.overlap=a2a ...]
 
 Each job is the real command line (`deepspeed --num_gpus N --module moe_trainer.train`) run with
 one tree's package first on PYTHONPATH and that tree as working directory, so everything between
@@ -11,9 +12,16 @@ first (headline.py's rule), after one short unmeasured run per tree that builds 
 and data cache. Per job: each tree's median step over the rounds' medians, its spread, and the
 after/before speed ratio with the spread that pairs the extremes.
 
+`--code-set NAME=KEY=VALUE` (repeatable) adds `--set KEY=VALUE` to that tree's measured jobs only
+(not its warm-up run), for a setting only one tree knows: the after tree with a new option on while
+the before tree, which would refuse the key, runs its default.
+
 Jobs (the settings every tree understands, pinned so both train the same thing):
   e2e   configs/moe_bench.yaml, 1 rank with all the cores, fp32 (bench_train's "ours1")
-  ep2   configs/moe_tiny.yaml, 2 ranks, ep 2, one core each, fp32, bench_ep's batch
+  ep2   configs/moe_tiny.yaml, 2 ranks, ep 2, one core each, fp32, bench_ep's batch (2 micro-batches
+        of 2 a step per rank)
+  ep2_gas4  ep2 with a global batch of 16: 4 micro-batches a step per rank (3 overlapped pairs
+        under parallel.overlap=a2a, where ep2 has 1)
 """
 from __future__ import annotations
 
@@ -37,13 +45,16 @@ JOBS = {
             "sets": ["model.vocab_size=320", "train.seq_len=256", "train.micro_batch_size=2",
                      "train.global_batch_size=8", "parallel.ep=2", "parallel.dedup_dispatch=false"]},
 }
+JOBS["ep2_gas4"] = {**JOBS["ep2"], "sets": [s.replace("global_batch_size=8", "global_batch_size=16")
+                                            for s in JOBS["ep2"]["sets"]]}
 
 
-def run_job(tree: Path, job: dict, steps: int, out: Path, threads: int) -> tuple[list[float], float]:
-    """One run of `job` on `tree`: the step times of its metrics.jsonl and the tokens of a step.
-    Raises RuntimeError with the log's tail when the run fails."""
+def run_job(tree: Path, job: dict, steps: int, out: Path, threads: int,
+            extra: tuple[str, ...] = ()) -> tuple[list[float], float]:
+    """One run of `job` on `tree` (plus the `extra` --set overrides): the step times of its metrics.jsonl
+    and the tokens of a step. Raises RuntimeError with the log's tail when the run fails."""
     shutil.rmtree(out, ignore_errors=True)
-    sets = [*COMMON, *job["sets"], f"train.max_steps={steps}", f"run.out_dir={out}"]
+    sets = [*COMMON, *job["sets"], *extra, f"train.max_steps={steps}", f"run.out_dir={out}"]
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(job["ranks"]), "--master_port",
            str(free_port()), "--module", "moe_trainer.train", "--config", job["config"],
            *[a for s in sets for a in ("--set", s)]]
@@ -59,9 +70,10 @@ def run_job(tree: Path, job: dict, steps: int, out: Path, threads: int) -> tuple
 
 
 def compare(codes: dict[str, Path], jobs: list[str], steps: int, warmup: int, rounds: int, threads: int,
-            log=print) -> dict:
-    """{job: {code: over_rounds(...), "ratio": after over before}} (the first code is the baseline)."""
-    names = list(codes)
+            log=print, code_sets: dict[str, list[str]] | None = None) -> dict:
+    """{job: {code: over_rounds(...), "ratio": after over before}} (the first code is the baseline);
+    code_sets: a code's extra --set overrides for its measured jobs."""
+    names, code_sets = list(codes), code_sets or {}
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_codes-") as tmp:
         for name in names:  # build each tree's kernels and data cache, unmeasured
@@ -72,7 +84,8 @@ def compare(codes: dict[str, Path], jobs: list[str], steps: int, warmup: int, ro
             for r in range(rounds):
                 k = r % len(names)
                 for name in names[k:] + names[:k]:
-                    times, tokens = run_job(codes[name], job, steps, Path(tmp) / f"{job_name}_{name}", threads)
+                    times, tokens = run_job(codes[name], job, steps, Path(tmp) / f"{job_name}_{name}", threads,
+                                            tuple(code_sets.get(name, ())))
                     per[name].append(round_summary([{"step_s": t} for t in times], warmup, split=()))
                     if log:
                         log(f"{job_name} round {r + 1}/{rounds} {name}: median step {per[name][-1]['median_s']:.3f} s")
@@ -105,21 +118,29 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--code-set", action="append", default=[], metavar="NAME=KEY=VALUE",
+                    help="an extra --set for one code's measured jobs only (repeatable)")
     ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args(argv)
-    codes = {}
+    codes, code_sets = {}, {}
     for spec in a.code:
         name, _, path = spec.partition("=")
         if not path or not (Path(path) / "moe_trainer").is_dir():
             ap.error(f"--code {spec}: expected NAME=DIR with DIR a checkout holding moe_trainer/")
         codes[name] = Path(path).resolve()
+    for spec in a.code_set:
+        name, _, override = spec.partition("=")
+        if name not in codes or "=" not in override:
+            ap.error(f"--code-set {spec}: expected NAME=KEY=VALUE with NAME one of the codes {sorted(codes)}")
+        code_sets.setdefault(name, []).append(override)
     jobs = a.jobs.split(",")
     if len(codes) != 2 or any(j not in JOBS for j in jobs) or a.steps <= a.warmup:
         ap.error(f"give two --code trees, --jobs from {sorted(JOBS)}, and --steps above --warmup")
-    results = compare(codes, jobs, a.steps, a.warmup, a.rounds, a.threads)
+    results = compare(codes, jobs, a.steps, a.warmup, a.rounds, a.threads, code_sets=code_sets)
     print(table(results, list(codes)))
     if a.json:
-        Path(a.json).write_text(json.dumps({"codes": {n: str(p) for n, p in codes.items()}, "results": results},
+        Path(a.json).write_text(json.dumps({"codes": {n: str(p) for n, p in codes.items()}, "code_sets": code_sets,
+                                            "results": results},
                                            indent=1))
     return 0
 
