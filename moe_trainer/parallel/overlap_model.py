@@ -34,9 +34,7 @@ from .recompute import _checkpointed
 
 def _attention_and_route(layer: nn.Module, inp: dict) -> tuple[dict, tuple, object]:
     """Piece A of an MoE layer."""
-    h = inp["h"]
-    h1 = h + layer.self_attn(layer.input_layernorm(h), inp["cos"], inp["sin"], inp["documents"])
-    x = layer.post_attention_layernorm(h1)
+    h1, x = layer.attention_block(inp["h"], inp["cos"], inp["sin"], inp["documents"])
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
     moe = layer.mlp
