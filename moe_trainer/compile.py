@@ -17,7 +17,25 @@ would recompile); their time is not measured inside a graph, so such runs log no
 layer is the partitioner's: the MoE counters are updated once, in the forward graph. The layers are
 compiled with fullgraph=False all the same, so that a graph break from a future change degrades
 speed, not a run. `train.compile_backend: aot_eager` traces the same graphs and runs them op by op
-(what the CPU tests run). The default is off: on CPU ranks the default path is the CPU back end
+(what the CPU tests run).
+
+Overlapped (`parallel.overlap: a2a`, parallel/overlap.py) the executor calls an MoE layer's pieces
+itself, with its all-to-alls issued asynchronously between them, so a whole compiled layer would never
+run; its MoE layers (the MTP blocks' too) are compiled by sub-layer region instead, as torchtitan and
+Megatron compile blocks: the attention block (input norm, attention, residual, post-attention norm:
+DecoderLayer.attention_block), the router, the routed experts and the shared experts
+(compile_moe_regions); dense layers, head and loss as above. The dispatcher runs eager between them:
+the split-size exchange and its one host read per layer and micro-batch, the all-to-alls (timed: such
+runs log `time.all_to_all_s`, and straggler naming takes the waits out) and the reordering of rows
+around them. Each region is one graph
+on the accelerator path (fullgraph, tests/test_compile.py), shared by every layer as above; the routed
+experts' rows arrive in a count that changes every call and may be 0, so it is marked an unbacked size
+(Experts.rows_unbacked): one graph for every count, as inside a whole layer. The MTP block's shorter
+sequence is a second shape for its regions (one recompile each, with a dynamic length). The CPU back
+end's kernels break the graphs on CPU ranks in either mode (their C++ calls are not traced). No GPU
+has measured the overlapped regions yet: train.compile auto leaves an overlapped run eager.
+
+The default is off: on CPU ranks the default path is the CPU back end
 in fp32, and the compile costs about a minute on 2 cores (configs/moe_tiny.yaml on the accelerator
 path in bf16, on a Zen 4: a 59 s first step, then steps 0.70x eager's on one rank and no gain at
 ep 2; docs/BENCHMARKS.md); scripts/gpu_check.sh measures eager against compiled on a GPU to settle
