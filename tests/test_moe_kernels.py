@@ -344,3 +344,42 @@ def test_small_gemms_stay_on_sgemm():
     small, large = lin(torch.randn(rows - 1, d, requires_grad=True)), lin(torch.randn(rows, d, requires_grad=True))
     assert "OneDNN" not in type(small.grad_fn).__name__
     assert type(large.grad_fn).__name__.startswith("OneDNNLinear")
+
+
+# ----------------------------------------------------------------------------- weight gradients held back
+
+def _accelerator_experts(x, w1, w2, gate, counts):
+    from moe_trainer.kernels.accelerator import GroupedExperts
+    return GroupedExperts.apply(x, w1, w2, gate, torch.tensor(counts, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("path", ["threaded", "grouped", "padded", "accelerator"])
+def test_held_back_weight_grads_are_the_plain_ones(path, small_blocks):
+    """Inside wgrad.held_back() the experts' backward leaves the weights' gradients unset and queues
+    them; made later (wgrad.weight_grads), they, the input and the gate gradients equal the plain
+    backward's bit for bit, an empty expert's zeros included. Outside it, nothing is queued."""
+    from moe_trainer.kernels import wgrad
+    dtype = torch.bfloat16 if path == "padded" else torch.float32
+    x, w1, w2, gate, counts = _expert_inputs(dtype, counts=(3, 0, 4, 2, 1, 0, 5), d=8, hid=8)
+    run = {"threaded": lambda: ex.ThreadedCPUExperts.apply(x, w1, w2, gate, counts, ex.threaded_cpu_ops(x, w1, w2)),
+           "grouped": lambda: ex.GroupedSwiGLUExperts.apply(x, w1, w2, gate, counts, False),
+           "padded": lambda: ex.PaddedSwiGLUExperts.apply(x, w1, w2, gate, counts, 4),
+           "accelerator": lambda: _accelerator_experts(x, w1, w2, gate, counts)}[path]
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    run().backward(dy)
+    plain = [t.grad.clone() for t in (x, w1, w2, gate)]
+    for t in (x, w1, w2, gate):
+        t.grad = None
+    with wgrad.held_back() as queue:
+        run().backward(dy)
+    assert w1.grad is None and w2.grad is None and len(queue) == 1
+    for got, want in zip((x.grad, gate.grad), (plain[0], plain[3])):
+        assert torch.equal(got, want)
+    made = wgrad.weight_grads(queue)
+    assert [w for w, _ in made] == [w1, w2]
+    for (_, got), want in zip(made, plain[1:3]):
+        assert torch.equal(got, want)
+    assert torch.equal(plain[1][1], torch.zeros_like(plain[1][1]))  # the empty expert
+    with wgrad.held_back(False) as none:
+        run().backward(dy)
+    assert none is None and w1.grad is not None

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/moe_tiny.yaml"
@@ -99,31 +100,34 @@ def predicted_hidden(s, cpu, eff, gbps: float, latency_us: float, stage: int = 0
     link = dataclasses.replace(cpu, nvlink_gbs=gbps / 8, net_gbs=gbps / 8)
     eff = dataclasses.replace(eff, a2a=1.0, a2a_latency_us=latency_us)
     off = stage_a2a_exposure(s, stage, link, eff, Mechanisms(host="inline"), 1.0)
-    on = stage_a2a_exposure(s, stage, link, eff, Mechanisms(host="inline", a2a_overlap=True), 1.0)
+    on = stage_a2a_exposure(s, stage, link, eff, Mechanisms(host="inline", a2a_overlap=True, wgrad_split=True), 1.0)
     return {"off": off, "on": on, "hidden": 1 - on["exposed"] / off["exposed"]}
 
 
-def executor_timeline(fwd: list[float], bwd: list[float], transfer: float) -> float:
+def executor_timeline(fwd: list[float], bwd: list[float], transfer: float, bwd_after: Optional[list[float]] = None) -> float:
     """The wait of one overlapped pair as overlap.StagedPair._run orders it, on one rank's clock: the
     forward's stage k (seconds fwd[k]) and the backward's stages (bwd[k], run from the last) take turns;
     each stage but the last issues an all-to-all of `transfer` seconds that the next stage of the same
     micro-batch waits for. Transfers in flight at once do not slow each other (the emulated link holds
     each to its own deadline; one shared link or NCCL's one stream would serialise them), so a rank
-    waiting for one lets the other's run: what the slot model (plan/time.py) does not credit."""
+    waiting for one lets the other's run: what the slot model (plan/time.py) does not credit.
+    bwd_after[k]: the seconds of backward stage k that run after its transfer is issued (the weight
+    gradients held back, kernels/wgrad.py), part of bwd[k]."""
     clock, waited = [0.0], [0.0]
 
-    def run(stages):
+    def run(stages, after):
         done = None
-        for k, sec in enumerate(stages):
+        for k, (sec, post) in enumerate(zip(stages, after)):
             if done is not None:
                 waited[0] += max(0.0, done - clock[0])
                 clock[0] = max(clock[0], done)
             clock[0] += sec
-            done = clock[0] + transfer if k < len(stages) - 1 else None
+            done = clock[0] - post + transfer if k < len(stages) - 1 else None
             yield
 
     from ..parallel.overlap import StagedPair
-    StagedPair._run(run(fwd), run(bwd[::-1]))  # the executor's own turn-taking: the forward first
+    # the executor's own turn-taking: the forward first
+    StagedPair._run(run(fwd, [0.0] * len(fwd)), run(bwd[::-1], (bwd_after or [0.0] * len(bwd))[::-1]))
     return waited[0]
 
 
@@ -132,11 +136,12 @@ def timeline_hidden(s, cpu, eff, exposure_off: dict) -> float:
     of stages (attention side: first MoE block's A with the rest of the micro-batch's compute outside the
     MoE blocks, i.e. the embedding, dense layers and head; then per MoE block B, C + the next A, ..., the
     last C), backward stages twice the forward's, per-block compute and host time from the step model,
-    its transfers the blocking run's (`exposure_off`) over the 4 a block makes per micro-batch; micro-batch
-    0's forward and the last backward wait for each of their transfers whole."""
+    its transfers the blocking run's (`exposure_off`) over the 4 a block makes per micro-batch, the expert
+    stages' backward weight gradients after their transfer (held back); micro-batch 0's forward and the
+    last backward wait for each of their transfers whole."""
     from ..plan.time import Mechanisms, _moe_block, host_seconds, _moe_launch, stage_compute
-    mech = Mechanisms(host="inline")
-    n, dev, share, _ = _moe_block(s, 0, cpu, eff, mech, 1.0)
+    mech = Mechanisms(host="inline", wgrad_split=True)
+    n, dev, share, _, held = _moe_block(s, 0, cpu, eff, mech, 1.0)
     host = host_seconds(s, 0, eff, mech)
     block = dev + _moe_launch(host)
     whole = sum(stage_compute(s, 0, cpu, eff, mech, 1.0).values()) + sum(k * t for k, t in host["blocks"].values())
@@ -144,7 +149,8 @@ def timeline_hidden(s, cpu, eff, exposure_off: dict) -> float:
     fwd = [attn + (whole - n * block) / 3] + [mlp, attn] * (n - 1) + [mlp, attn]
     m = s.micro_batches
     transfer = exposure_off["transfers"] / m / (4 * n)
-    pair = executor_timeline(fwd, [2 * x for x in fwd], transfer)
+    held *= block / dev  # with its host time, as the block's
+    pair = executor_timeline(fwd, [2 * x for x in fwd], transfer, [0.0] + [held, 0.0] * n)
     alone = 4 * n * transfer  # micro-batch 0's forward and the last backward: 2n transfers each
     on = (m - 1) * pair + alone + exposure_off["split"]
     return 1 - on / exposure_off["exposed"]

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import wgrad
 from .chunked_attention import chunked_causal_attention
 from .document_attention import document_attention
 
@@ -177,12 +178,19 @@ class GroupedExperts(torch.autograd.Function):
     def backward(ctx, dy):
         x, w1, w2, h, a, gate, offs = ctx.saved_tensors
         need_x, need_w1, need_w2, need_gate = ctx.needs_input_grad[:4]
-        dw2 = grouped_mm(dy.t(), a, offs) if need_w2 else None  # (E, d, H)
         da = grouped_mm(dy, w2, offs)  # (M, H)
         dg, du, dgate = swiglu_backward(da, *h.chunk(2, dim=-1), gate, need_gate)
         dh = torch.cat([dg, du], dim=-1)  # (M, 2H)
-        dw1 = grouped_mm(dh.t(), x, offs) if need_w1 else None  # (E, 2H, d)
         dx = grouped_mm(dh, w1, offs) if need_x else None
+
+        def weight_grads():  # (E, 2H, d), (E, d, H)
+            return grouped_mm(dh.t(), x, offs), grouped_mm(dy.t(), a, offs)
+
+        if need_w1 and need_w2 and wgrad.hold((w1, w2), weight_grads):
+            dw1 = dw2 = None
+        else:
+            dw1 = grouped_mm(dh.t(), x, offs) if need_w1 else None
+            dw2 = grouped_mm(dy.t(), a, offs) if need_w2 else None
         return dx, dw1, dw2, (dgate.to(gate.dtype) if dgate is not None else None), None
 
 

@@ -36,6 +36,15 @@ The backward is explicit per stage, in reverse: a stage's outputs (and the tenso
 their gradients from the next stage's inputs (and, through the reversed all-to-all, from its
 received rows), and `engine.backward` runs from a scalar whose gradient is those (the pipeline
 executor's backward_surrogate) plus the stage's auxiliary loss / m; the last stage's from the loss.
+A stage whose backward ends in an all-to-all (the received rows' gradients going back) runs with the
+routed experts' weight gradients held back (kernels/wgrad.py: DualPipe's input-gradient / weight-
+gradient split, Megatron-Core's delayed weight-gradient compute): its engine.backward makes the input
+gradients only, the all-to-all is issued, and the weight gradients are made while it is in flight,
+before the partner's next stage runs; they reach the parameters in the micro-batch's next
+engine.backward (a surrogate term each, as the stage outputs' gradients do), so DeepSpeed's hooks see
+them as any other. A backward transfer then hides behind its own stage's weight gradients and the
+partner's forward stage: without the split it hid behind the forward stage alone, about half as long
+as the backward stage a forward transfer hides behind.
 Gradients are accumulated into the parameters exactly as one backward per micro-batch would, and the
 engine steps as the pipeline executor makes it step (no backward is the accumulation boundary;
 allreduce_gradients and the last step() after the last backward), so DeepSpeed's optimizer step is
@@ -53,6 +62,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ..kernels import wgrad
 from ..metrics import StepClock
 from .a2a_async import issue
 from .overlap_model import stage_functions
@@ -142,12 +152,15 @@ class StagedPair:
         result = stages.pop()
         grads: dict = {} if seed is None else {("out", 0): seed}  # (key, index) -> gradient of the stage's output
         sent_grads: tuple = ()
+        weights: list = []  # (weight, its held-back gradient), handed over by the next engine.backward
         self.engine.set_gradient_accumulation_boundary(False)
         while stages:
             st = stages.pop()
             through = {}
+            held = wgrad.held_back(bool(st.received))  # an all-to-all follows: its weight gradients wait for it
             if seed is None and "out" in st.outputs:  # the last stage: from the loss (the engine divides by m)
-                self.engine.backward(result.loss)
+                with held as queue:
+                    self.engine.backward(result.loss)
             else:
                 inputs = dict(_tensors(st.inputs))
                 terms = []
@@ -165,8 +178,11 @@ class StagedPair:
                         terms.append(h[0])
                 if st.aux is not None:
                     terms.append(st.aux / self.m)
-                if terms:
-                    self.engine.backward(sum(terms[1:], terms[0]), scale_wrt_gas=False)
+                terms += [_OutputGradient.apply(w, g) for w, g in weights]  # the stage after's, held back
+                weights = []
+                with held as queue:
+                    if terms:
+                        self.engine.backward(sum(terms[1:], terms[0]), scale_wrt_gas=False)
             grads = {}
             for key, t in _tensors(st.inputs):
                 g = t.grad
@@ -181,6 +197,8 @@ class StagedPair:
             flights = [issue(r.grad if r.grad is not None else torch.zeros_like(r), i, o, self.group, self.counter,
                              kind + "_grad") for r, (o, i, kind) in zip(st.received, stages[-1].specs)]
             del st
+            weights = wgrad.weight_grads(queue)  # while the input gradients are in flight
+            del queue
             yield
             sent_grads = tuple(f.wait() for f in flights)
 

@@ -16,7 +16,9 @@ The model, per optimizer step, on the busiest pipeline stage (the one with the m
 - exposed: what the framework does not hide (`Mechanisms`): our trainer today overlaps none of it;
   `--overlap` pairs a forward and a backward micro-batch, as DualPipe and Megatron's combined 1F1B
   do: each of a MoE block's four transfers hides only behind the partner's compute phase beside it
-  (`_paired_a2a_exposed`), on the SMs communication leaves.
+  (`_paired_a2a_exposed`), on the SMs communication leaves; with the weight gradients held back
+  (`Mechanisms.wgrad_split`, this trainer's overlap) the backward dispatch hides behind its own
+  experts' weight gradients too.
 - host: the kernels a block launches (the kernel proxy's counts) at the host's cost per launch
   (eager, compiled, a fused framework, CUDA graphs), BF16_Optimizer's eager hooks; a micro-batch takes
   the longer of device and host time, per MoE block when a tokens-per-expert read drains the queue.
@@ -65,10 +67,15 @@ class Mechanisms:
     host: str = "eager"
     a2a_sync: bool = True  # at ep > 1 the host reads the tokens-per-expert counts once per MoE block
     grad_accum_fusion: bool = False  # fp32 gradients accumulated inside the weight-gradient GEMM (Megatron)
+    # the routed experts' weight gradients held back until the backward dispatch's transfer is issued, so
+    # it hides behind them too (this trainer's overlap: kernels/wgrad.py; DualPipe's W, Megatron's
+    # --delay-wgrad-compute)
+    wgrad_split: bool = False
 
     def describe(self) -> str:
         on = [n for n in ("a2a_overlap", "tp_overlap", "dp_overlap", "p2p_overlap", "dp_reduce_scatter",
-                          "fused_glue", "node_dedup", "fp8_dispatch", "grad_accum_fusion") if getattr(self, n)]
+                          "fused_glue", "node_dedup", "fp8_dispatch", "grad_accum_fusion", "wgrad_split")
+              if getattr(self, n)]
         extra = f", {self.comm_sm_share:.0%} of SMs to communication" if self.comm_sm_share else ""
         return (f"schedule {self.schedule}, GEMMs {self.gemm_dtype}, host {self.host}, "
                 f"{', '.join(on) or 'nothing overlapped'}{extra}")
@@ -82,14 +89,15 @@ def trainer_mechanisms(compile_setting, a2a_overlap: bool = False, gemm_dtype: s
     decoder layer, head and loss (inductor's kernels and glue bytes), false runs them eager."""
     compiled = compile_setting is True or compile_setting == "auto"
     return Mechanisms(a2a_overlap=a2a_overlap, gemm_dtype=gemm_dtype, host="compiled" if compiled else "eager",
-                      fused_glue=compiled)
+                      fused_glue=compiled, wgrad_split=a2a_overlap)
 
 # whether this trainer overlaps each communication today (the report's column)
 TRAINER_OVERLAPS = {
     "tensor parallel": "no (collectives between the GEMMs)",
     "context parallel": "no (K/V all-gather before attention)",
     "expert all-to-all": "with parallel.overlap a2a, at pp 1 and under interleaved 1F1B at pp > 1 (off by "
-                         "default; --overlap models it); the split-size exchange stays blocking",
+                         "default; --overlap models it), the experts' weight gradients held back behind the "
+                         "backward dispatch; the split-size exchange stays blocking",
     "pipeline send/recv": "no (blocking sends between the schedule's steps)",
     "ZeRO-1 reductions": "no (DeepSpeed's overlap_comm is off: parallel/zero.py writes stage 1 only)",
 }
@@ -312,16 +320,18 @@ def model_flops_per_token(s: Setup) -> float:
     return 3 * total / one.tokens
 
 
-def _paired_a2a_exposed(a2a: float, dev: float, attn_share: float, mech: Mechanisms) -> float:
+def _paired_a2a_exposed(a2a: float, dev: float, attn_share: float, mech: Mechanisms, held: float = 0.0) -> float:
     """The all-to-all one MoE block leaves exposed when a forward and a backward micro-batch run paired
     (DualPipe, Megatron's combined 1F1B): each of its four transfers hides only behind the one compute
     phase of the other micro-batch that runs beside it, in the order the dependencies allow:
     (forward attention | backward combine), (backward MLP | forward dispatch), (forward MLP | backward
-    dispatch), (backward attention | forward combine); the forward is a third of a phase's compute."""
+    dispatch), (backward attention | forward combine); the forward is a third of a phase's compute.
+    `held`: the weight-gradient seconds the backward MLP phase runs after issuing its dispatch's
+    transfer (Mechanisms.wgrad_split), which that transfer hides behind as well."""
     d = 0.5 if mech.fp8_dispatch else 1.0  # the forward dispatch's bytes against a BF16 transfer's
     unit = a2a / (3 + d)
     attn, mlp = dev * attn_share, dev * (1 - attn_share)
-    slots = ((unit, attn / 3), (d * unit, 2 * mlp / 3), (unit, mlp / 3), (unit, 2 * attn / 3))
+    slots = ((unit, attn / 3), (d * unit, 2 * mlp / 3), (unit, mlp / 3 + held), (unit, 2 * attn / 3))
     return sum(max(0.0, comm - comp) for comm, comp in slots)
 
 
@@ -335,13 +345,16 @@ def a2a_exposure(a2a: float, split: float, moe_block: tuple, mech: Mechanisms, h
       rows' sizes must be on the host before the dispatch is issued): its whole time, latency-bound.
     Without the overlap every transfer is exposed (paired 0, unpaired all of `a2a`). `a2a`: the row
     transfers' seconds per micro-batch, `split` the exchanges'; `moe_block`: (MoE blocks, device seconds
-    of one, its attention side's share, the unpaired share); `host_moe`: host seconds of one MoE block
+    of one, its attention side's share, the unpaired share, the device seconds of its weight gradients
+    held back: `_moe_block`); `host_moe`: host seconds of one MoE block
     that the partner's transfers also hide behind (a CPU rank, host "inline": its thread runs the kernels
     it dispatches, so a phase lasts its host time and its arithmetic)."""
-    n_moe, dev_moe, attn_share, unpaired = moe_block
+    n_moe, dev_moe, attn_share, unpaired, held = moe_block
     if not (mech.a2a_overlap and n_moe):
         return {"paired": 0.0, "unpaired": a2a, "split": split, "exposed": a2a + split}
-    paired = (1 - unpaired) * n_moe * _paired_a2a_exposed(a2a / n_moe, dev_moe + host_moe, attn_share, mech)
+    # on a CPU rank the held-back weight gradients last their host time too, in the block's proportion
+    held *= 1 + host_moe / dev_moe if dev_moe else 1.0
+    paired = (1 - unpaired) * n_moe * _paired_a2a_exposed(a2a / n_moe, dev_moe + host_moe, attn_share, mech, held)
     return {"paired": paired, "unpaired": unpaired * a2a, "split": split,
             "exposed": paired + unpaired * a2a + split}
 
@@ -369,7 +382,7 @@ def _moe_launch(host: dict) -> float:
 def _per_micro_batch(kinds: dict, comm: dict, mech: Mechanisms, host: dict,
                      moe_block: tuple) -> tuple[float, float, dict, float]:
     """(seconds per micro-batch, compute, exposed communication by kind, host wait) of one stage.
-    `moe_block`: (MoE blocks, device seconds of one, its attention side's share, the unpaired share)."""
+    `moe_block`: `_moe_block`'s tuple."""
     c = sum(kinds.values())
     n_moe, dev_moe = moe_block[:2]
     a2a = a2a_exposure(comm["all_to_all"], comm.get("a2a_split", 0.0), moe_block, mech,
@@ -419,15 +432,18 @@ def unpaired_share(s: Setup, stage: int, mech: Mechanisms) -> float:
 
 def _moe_block(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms, imbalance: float) -> tuple:
     """(MoE blocks on `stage`, device seconds of one decoder MoE block, its attention side's share, the
-    share of micro-batches that run unpaired)."""
+    share of micro-batches that run unpaired, the device seconds of its routed experts' weight gradients
+    when they are held back (Mechanisms.wgrad_split; else 0): one of the grouped GEMMs' forward +
+    recompute + 2 backward passes)."""
     kinds = _stage_kinds(s, stage)
     moe = [(layer, n) for (is_moe, mtp), (layer, n) in kinds.items() if is_moe and not mtp]
     if not moe:
-        return 0, 0.0, 0.5, 0.0
+        return 0, 0.0, 0.5, 0.0, 0.0
     secs, share = _block_seconds(s, moe[0][0], gpu, eff, mech, imbalance)
     slow = 1 - mech.comm_sm_share if mech.a2a_overlap else 1.0
+    held = secs["expert_gemm"] / (_passes(s.recompute) + 2) / slow if mech.wgrad_split else 0.0
     return (sum(n for (is_moe, _), (_, n) in kinds.items() if is_moe), sum(secs.values()) / slow, share,
-            unpaired_share(s, stage, mech))
+            unpaired_share(s, stage, mech), held)
 
 
 def _dualpipe_rank(a: tuple, b: tuple) -> tuple:

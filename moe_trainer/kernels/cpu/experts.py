@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from .. import wgrad
 from . import extension
 
 
@@ -151,9 +152,11 @@ def _gmm_block(a: torch.Tensor, b: torch.Tensor, counts: list[int], grouped: boo
     return out
 
 
-def _grad_buffers(ctx, x, w1, w2, gate):
-    """Uninitialised (dx, dw1, dw2, dgate) for the inputs that need a gradient (else None)."""
+def _grad_buffers(ctx, x, w1, w2, gate, held: bool = False):
+    """Uninitialised (dx, dw1, dw2, dgate) for the inputs that need a gradient (else None); none for
+    the weights when their gradients are `held` back (kernels/wgrad.py)."""
     need_x, need_w1, need_w2, need_gate = ctx.needs_input_grad[:4]
+    need_w1, need_w2 = need_w1 and not held, need_w2 and not held
     return (x.new_empty(x.shape) if need_x else None, w1.new_empty(w1.shape) if need_w1 else None,
             w2.new_empty(w2.shape) if need_w2 else None,
             gate.new_empty(gate.shape) if need_gate and gate is not None else None)
@@ -189,35 +192,55 @@ class GroupedSwiGLUExperts(torch.autograd.Function):
     def backward(ctx, dy):
         w1, w2, gate, x, *saved = ctx.saved_tensors
         hs, acts = saved[:len(ctx.blocks)], saved[len(ctx.blocks):]
-        counts, grouped = ctx.counts, ctx.grouped
-        dx, dw1, dw2, dgate = _grad_buffers(ctx, x, w1, w2, gate)
-        need_w1, need_w2, need_x, need_gate = dw1 is not None, dw2 is not None, dx is not None, dgate is not None
+        counts, grouped, blocks = ctx.counts, ctx.grouped, ctx.blocks
         dy = dy.contiguous()
-        covered = 0
-        for i, (e0, e1, r0, r1) in enumerate(ctx.blocks):
+        dhs: list = []  # each block's pre-activation gradient, when the weight gradients are held back
+
+        def block_wgrads(i: int, dh: torch.Tensor, dw1: Optional[torch.Tensor], dw2: Optional[torch.Tensor]) -> None:
+            """Block i's experts' weight gradients (and zeros for the empty experts before it; the
+            last block's caller zeroes those after it)."""
+            e0, e1, r0, r1 = blocks[i]
+            for w in (dw1, dw2):
+                if w is not None:
+                    w[(blocks[i - 1][1] if i else 0):e0].zero_()
+                    if i == len(blocks) - 1:
+                        w[e1:].zero_()
+            if dw2 is not None:
+                _wgrad_rows(dy[r0:r1], acts[i], counts[e0:e1], e0, dw2)  # (E, d, H)
+            if dw1 is not None:
+                _wgrad_rows(dh, x[r0:r1], counts[e0:e1], e0, dw1)  # (E, 2H, d)
+
+        def weight_grads():
+            g1, g2 = w1.new_empty(w1.shape), w2.new_empty(w2.shape)
+            for i, dh in enumerate(dhs):
+                block_wgrads(i, dh, g1, g2)
+            if not blocks:
+                g1.zero_(), g2.zero_()
+            return g1, g2
+
+        held = all(ctx.needs_input_grad[1:3]) and wgrad.hold((w1, w2), weight_grads)
+        dx, dw1, dw2, dgate = _grad_buffers(ctx, x, w1, w2, gate, held)
+        need_x, need_gate = dx is not None, dgate is not None
+        for i, (e0, e1, r0, r1) in enumerate(blocks):
             cs, h, dy_b = counts[e0:e1], hs[i], dy[r0:r1]
             g_b = gate[r0:r1] if gate is not None else None
-            if need_w1 or need_w2:  # experts before this block own no rows
-                for w in (dw1, dw2):
-                    if w is not None:
-                        w[covered:e0].zero_()
-                covered = e1
-            if need_w2:
-                _wgrad_rows(dy_b, acts[i], cs, e0, dw2)  # (E, d, H)
             da = _gmm_block(dy_b, w2[e0:e1], cs, grouped)  # (rows, H)
             dh, dg = swiglu_backward(da, h, g_b, need_gate, block=r1 - r0)
             del da
             if dg is not None:
                 dgate[r0:r1] = dg
-            if need_w1:
-                _wgrad_rows(dh, x[r0:r1], cs, e0, dw1)  # (E, 2H, d)
+            if held:
+                dhs.append(dh)
+            else:
+                block_wgrads(i, dh, dw1, dw2)
             if need_x:
                 _mm_rows(dh, w1, cs, e0, dx[r0:r1])
-        for w in (dw1, dw2):
-            if w is not None:
-                w[covered:].zero_()
-        if need_gate and ctx.blocks:
-            dgate[ctx.blocks[-1][3]:].zero_()
+        if not blocks:
+            for w in (dw1, dw2):
+                if w is not None:
+                    w.zero_()
+        if need_gate and blocks:
+            dgate[blocks[-1][3]:].zero_()
         return dx, dw1, dw2, dgate, None, None
 
 
@@ -316,35 +339,58 @@ class PaddedSwiGLUExperts(torch.autograd.Function):
         nb = len(ctx.blocks)
         hs, acts, gates = saved[:nb], saved[nb:2 * nb], saved[2 * nb:]
         rows = ctx.rows
-        dx, dw1, dw2, dgate = _grad_buffers(ctx, x, w1, w2, gate)
-        need_w1, need_w2, need_x, need_gate = dw1 is not None, dw2 is not None, dx is not None, dgate is not None
         dy = dy.contiguous()
-        for e, (_, m, _, _) in enumerate(rows):
-            if not m:  # an empty expert's gradients are zeros
-                for w in (dw1, dw2):
-                    if w is not None:
-                        w[e].zero_()
-        for (e0, e1, _, _), h, a, g in zip(ctx.blocks, hs, acts, gates):
+        dhs: list = []  # each block's pre-activation gradient, when the weight gradients are held back
+
+        def block_wgrads(i: int, dh: torch.Tensor, dw1: Optional[torch.Tensor], dw2: Optional[torch.Tensor]) -> None:
+            """Block i's experts' weight gradients (the empty experts' zeros are written apart)."""
+            e0, e1, _, _ = ctx.blocks[i]
+            p0 = rows[e0][2]
+            for e in range(e0, e1):
+                s, m, p, mp = rows[e]
+                if m:
+                    if dw2 is not None:
+                        torch.mm(_rows_in(dy, s, m, mp).t(), acts[i][p - p0:p - p0 + mp], out=dw2[e])
+                    if dw1 is not None:
+                        torch.mm(dh[p - p0:p - p0 + mp].t(), _rows_in(x, s, m, mp), out=dw1[e])
+
+        def zero_empty(*grads: Optional[torch.Tensor]) -> None:
+            for e, (_, m, _, _) in enumerate(rows):
+                if not m:  # an empty expert's gradients are zeros
+                    for w in grads:
+                        if w is not None:
+                            w[e].zero_()
+
+        def weight_grads():
+            g1, g2 = w1.new_empty(w1.shape), w2.new_empty(w2.shape)
+            zero_empty(g1, g2)
+            for i, dh in enumerate(dhs):
+                block_wgrads(i, dh, g1, g2)
+            return g1, g2
+
+        held = all(ctx.needs_input_grad[1:3]) and wgrad.hold((w1, w2), weight_grads)
+        dx, dw1, dw2, dgate = _grad_buffers(ctx, x, w1, w2, gate, held)
+        need_x, need_gate = dx is not None, dgate is not None
+        zero_empty(dw1, dw2)
+        for i, ((e0, e1, _, _), h, g) in enumerate(zip(ctx.blocks, hs, gates)):
             p0 = rows[e0][2]
             da = dy.new_empty(h.shape[0], w2.shape[2])
             for e in range(e0, e1):
                 s, m, p, mp = rows[e]
                 if m:
-                    dy_e = _rows_in(dy, s, m, mp)
-                    if need_w2:
-                        torch.mm(dy_e.t(), a[p - p0:p - p0 + mp], out=dw2[e])
-                    torch.mm(dy_e, w2[e], out=da[p - p0:p - p0 + mp])
+                    torch.mm(_rows_in(dy, s, m, mp), w2[e], out=da[p - p0:p - p0 + mp])
             dh, dg = swiglu_backward(da, h, g, need_gate, block=h.shape[0])
             del da
+            if held:
+                dhs.append(dh)
+            else:
+                block_wgrads(i, dh, dw1, dw2)
             for e in range(e0, e1):
                 s, m, p, mp = rows[e]
                 if not m:
                     continue
-                dh_e = dh[p - p0:p - p0 + mp]
-                if need_w1:
-                    torch.mm(dh_e.t(), _rows_in(x, s, m, mp), out=dw1[e])
                 if need_x:
-                    _mm_to_rows(dh_e, w1[e], dx, s, m)
+                    _mm_to_rows(dh[p - p0:p - p0 + mp], w1[e], dx, s, m)
                 if dg is not None:
                     dgate[s:s + m] = dg[p - p0:p - p0 + m]
         return dx, dw1, dw2, dgate, None, None
@@ -382,9 +428,18 @@ class ThreadedCPUExperts(torch.autograd.Function):
     def backward(ctx, dy):
         x, w1, w2, gate, h, a = ctx.saved_tensors
         need_x, need_w1, need_w2, need_gate = ctx.needs_input_grad[:4]
-        dx, dw1, dw2, dgate = ctx.ops.experts_backward(dy.contiguous(), x, w1, w2, gate, h, a, ctx.counts, need_x,
-                                                       need_w1 or need_w2, need_gate and gate is not None,
-                                                       ctx.onednn_min)
+        dy, kept = dy.contiguous(), []
+
+        def weight_grads():
+            return ctx.ops.experts_weight_grads(dy, x, a, kept[0], w1, w2, ctx.counts)
+
+        held = need_w1 and need_w2 and wgrad.hold((w1, w2), weight_grads)
+        dx, dw1, dw2, dgate, dh = ctx.ops.experts_backward(dy, x, w1, w2, gate, h, a, ctx.counts, need_x,
+                                                           (need_w1 or need_w2) and not held,
+                                                           need_gate and gate is not None, ctx.onednn_min, held)
+        if held:
+            kept.append(dh)
+            return dx, None, None, dgate, None, None
         return dx, dw1 if need_w1 else None, dw2 if need_w2 else None, dgate, None, None
 
 

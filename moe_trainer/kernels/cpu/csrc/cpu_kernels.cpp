@@ -450,12 +450,14 @@ std::vector<torch::Tensor> experts_forward(torch::Tensor x, torch::Tensor w1, to
   return {out, h, a};
 }
 
-// -> (dx or undefined, dw1, dw2 (or undefined), dgate (M,) or undefined); an expert without rows
-// gets zero weight gradients
+// -> (dx or undefined, dw1, dw2 (or undefined), dgate (M,) or undefined, dh (M, 2H) or undefined); an
+// expert without rows gets zero weight gradients. keep_dh: also return the pre-activation gradient dh,
+// so that experts_weight_grads can make the weight gradients later (the overlapped executor's held-back
+// weight gradients, kernels/wgrad.py), from the same rows as here
 std::vector<torch::Tensor> experts_backward(torch::Tensor dy, torch::Tensor x, torch::Tensor w1, torch::Tensor w2,
                                             c10::optional<torch::Tensor> gate, torch::Tensor h, torch::Tensor a,
                                             std::vector<int64_t> counts, bool need_x, bool need_w,
-                                            bool need_gate, int64_t onednn_min) {
+                                            bool need_gate, int64_t onednn_min, bool keep_dh) {
   check_experts(x, w1, w2, gate, counts);
   const int64_t m = x.size(0), hid = w2.size(2);
   TORCH_CHECK(dy.sizes() == x.sizes() && dy.is_contiguous() && dy.scalar_type() == torch::kFloat &&
@@ -463,8 +465,9 @@ std::vector<torch::Tensor> experts_backward(torch::Tensor dy, torch::Tensor x, t
                   a.size(0) == m && a.size(1) == hid,
               "cpu_kernels: experts_backward needs dy like x and the forward's h and a");
   TORCH_CHECK(!need_gate || gate.has_value(), "cpu_kernels: a gate gradient needs a gate");
-  torch::Tensor dx, dw1, dw2, dgate;
+  torch::Tensor dx, dw1, dw2, dgate, dh_all;
   if (need_x) dx = torch::empty_like(x);
+  if (keep_dh) dh_all = torch::empty({m, 2 * hid}, x.options());
   if (need_w) {
     dw1 = torch::empty_like(w1);
     dw2 = torch::empty_like(w2);
@@ -502,12 +505,38 @@ std::vector<torch::Tensor> experts_backward(torch::Tensor dy, torch::Tensor x, t
       auto g1 = dw1[e];
       at::mm_out(g1, dh.t(), x.narrow(0, r0, n));
     }
+    if (keep_dh) dh_all.narrow(0, r0, n).copy_(dh);
     if (need_x) {
       auto dxe = dx.narrow(0, r0, n);
       linear_rows(dxe, dh_s[slot], 0, n, w1[e].t(), onednn_min);
     }
   });
-  return {dx, dw1, dw2, dgate};
+  return {dx, dw1, dw2, dgate, dh_all};
+}
+
+// -> (dw1 (E, 2H, d), dw2 (E, d, H)): the weight gradients experts_backward makes with need_w, from its
+// dh (keep_dh) instead, per expert on the same tasks and with the same GEMMs, so bit for bit the same
+std::vector<torch::Tensor> experts_weight_grads(torch::Tensor dy, torch::Tensor x, torch::Tensor a, torch::Tensor dh,
+                                                torch::Tensor w1, torch::Tensor w2, std::vector<int64_t> counts) {
+  check_experts(x, w1, w2, c10::nullopt, counts);
+  const int64_t m = x.size(0), hid = w2.size(2);
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.is_contiguous() && a.is_contiguous() && a.size(0) == m &&
+                  a.size(1) == hid && dh.is_contiguous() && dh.size(0) == m && dh.size(1) == 2 * hid,
+              "cpu_kernels: experts_weight_grads needs dy like x, the forward's a and experts_backward's dh");
+  auto dw1 = torch::empty_like(w1), dw2 = torch::empty_like(w2);
+  for (size_t e = 0; e < counts.size(); ++e)
+    if (counts[e] == 0) {
+      dw1[e].zero_();
+      dw2[e].zero_();
+    }
+  const ExpertTasks t = expert_tasks(counts, at::get_num_threads());
+  run_expert_tasks(t, [&](int64_t e, int) {
+    const int64_t r0 = t.start[e], n = counts[e];
+    auto g2 = dw2[e], g1 = dw1[e];
+    at::mm_out(g2, dy.narrow(0, r0, n).t(), a.narrow(0, r0, n));
+    at::mm_out(g1, dh.narrow(0, r0, n).t(), x.narrow(0, r0, n));
+  });
+  return {dw1, dw2};
 }
 
 // ------------------------------------------------------------------------------ causal softmax
@@ -1258,7 +1287,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_forward", &silu_mul_forward, "silu(g) * u for separate (M, H) g and u");
   m.def("silu_mul_backward", &silu_mul_backward, "(dg, du) of silu_mul_forward");
   m.def("experts_forward", &experts_forward, "fp32 routed experts, one task per expert: (out, h, a)");
-  m.def("experts_backward", &experts_backward, "(dx, dw1, dw2, dgate) of experts_forward");
+  m.def("experts_backward", &experts_backward, "(dx, dw1, dw2, dgate, dh) of experts_forward");
+  m.def("experts_weight_grads", &experts_weight_grads, "(dw1, dw2) from experts_backward's dh");
   m.def("has_blas", &has_blas, "whether the attention kernels found a BLAS sgemm");
   m.def("causal_attention_forward", &causal_attention_forward, "fp32 causal attention: (out, probabilities)");
   m.def("causal_attention_backward", &causal_attention_backward, "(dq, dk, dv) of causal_attention_forward");
