@@ -104,8 +104,10 @@ def _regions_are_shared(model) -> None:
     """After 3 steps of `model` compiled by sub-layer region: one graph per region and input shape (the
     MTP block's 31 positions a second, dynamic-length one for the attention block, router, shared experts
     and head), the routed experts' one for every row count; another MoE layer's regions, and its experts
-    given no rows at all, compile nothing more."""
+    given no rows at all, compile nothing more, inside a held-back backward too (kernels/wgrad.py: full
+    recomputation re-runs an overlapped stage there), where the compiled experts hold nothing back."""
     from moe_trainer.compile import compile_moe_regions
+    from moe_trainer.kernels import wgrad
     from moe_trainer.moe.dispatcher import Dispatched
     stats = torch._dynamo.utils.counters["stats"]
     assert stats["unique_graphs"] == 12, dict(stats)  # dense layer, norm, loss; attention, router, shared, head x2; experts
@@ -114,12 +116,14 @@ def _regions_are_shared(model) -> None:
     compile_moe_regions(layer, backend="aot_eager", fullgraph=True)
     cos, sin = other.rope(32, torch.device("cpu"), torch.bfloat16)
     h = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).requires_grad_()
-    out, _ = layer(h, cos, sin)
-    none = torch.zeros(0, 64, dtype=torch.bfloat16, requires_grad=True)
-    y = layer.mlp._run_experts(Dispatched(none, torch.zeros(0, requires_grad=True), torch.zeros(8, dtype=torch.int64),
-                                          None))
-    (out.float().sum() + y.float().sum()).backward()
+    with wgrad.held_back() as queue:
+        out, _ = layer(h, cos, sin)
+        none = torch.zeros(0, 64, dtype=torch.bfloat16, requires_grad=True)
+        y = layer.mlp._run_experts(Dispatched(none, torch.zeros(0, requires_grad=True),
+                                              torch.zeros(8, dtype=torch.int64), None))
+        (out.float().sum() + y.float().sum()).backward()
     assert y.shape == (0, 64) and h.grad is not None and layer.mlp.experts.gate_up_proj.grad is not None
+    assert queue == []
     assert stats["unique_graphs"] == 12, dict(stats)
 
 
