@@ -31,7 +31,10 @@ around them. Each region is one graph
 on the accelerator path (fullgraph, tests/test_compile.py), shared by every layer as above; the routed
 experts' rows arrive in a count that changes every call and may be 0, so it is marked an unbacked size
 (Experts.rows_unbacked): one graph for every count, as inside a whole layer. The MTP block's shorter
-sequence is a second shape for its regions (one recompile each, with a dynamic length). The CPU back
+sequence is a second shape for its regions (one recompile each, with a dynamic length). A compiled
+experts region's backward is one graph: its weight gradients are made at once, not held back behind
+the backward all-to-all as the eager kernels' are (kernels/wgrad.py; the CPU kernels, outside any
+graph, still hold them back). The CPU back
 end's kernels break the graphs on CPU ranks in either mode (their C++ calls are not traced). No GPU
 has measured the overlapped regions yet: train.compile auto leaves an overlapped run eager.
 
