@@ -17,7 +17,28 @@ would recompile); their time is not measured inside a graph, so such runs log no
 layer is the partitioner's: the MoE counters are updated once, in the forward graph. The layers are
 compiled with fullgraph=False all the same, so that a graph break from a future change degrades
 speed, not a run. `train.compile_backend: aot_eager` traces the same graphs and runs them op by op
-(what the CPU tests run). The default is off: on CPU ranks the default path is the CPU back end
+(what the CPU tests run).
+
+Overlapped (`parallel.overlap: a2a`, parallel/overlap.py) the executor calls an MoE layer's pieces
+itself, with its all-to-alls issued asynchronously between them, so a whole compiled layer would never
+run; its MoE layers (the MTP blocks' too) are compiled by sub-layer region instead, as torchtitan and
+Megatron compile blocks: the attention block (input norm, attention, residual, post-attention norm:
+DecoderLayer.attention_block), the router, the routed experts and the shared experts
+(compile_moe_regions); dense layers, head and loss as above. The dispatcher runs eager between them:
+the split-size exchange and its one host read per layer and micro-batch, the all-to-alls (timed: such
+runs log `time.all_to_all_s`, and straggler naming takes the waits out) and the reordering of rows
+around them. Each region is one graph
+on the accelerator path (fullgraph, tests/test_compile.py), shared by every layer as above; the routed
+experts' rows arrive in a count that changes every call and may be 0, so it is marked an unbacked size
+(Experts.rows_unbacked): one graph for every count, as inside a whole layer. The MTP block's shorter
+sequence is a second shape for its regions (one recompile each, with a dynamic length). A compiled
+experts region's backward is one graph: its weight gradients are made at once, not held back behind
+the backward all-to-all as the eager kernels' are (kernels/wgrad.py; the CPU kernels, outside any
+graph, still hold them back). The CPU back
+end's kernels break the graphs on CPU ranks in either mode (their C++ calls are not traced). No GPU
+has measured the overlapped regions yet: train.compile auto leaves an overlapped run eager.
+
+The default is off: on CPU ranks the default path is the CPU back end
 in fp32, and the compile costs about a minute on 2 cores (configs/moe_tiny.yaml on the accelerator
 path in bf16, on a Zen 4: a 59 s first step, then steps 0.70x eager's on one rank and no gain at
 ep 2; docs/BENCHMARKS.md); scripts/gpu_check.sh measures eager against compiled on a GPU to settle
@@ -35,11 +56,13 @@ from .models.llama3 import LlamaLayer
 
 def forward_waits_timed(cfg) -> bool:
     """Are the forward's expert all-to-alls timed (CommCounter spans), so that straggler naming can take
-    a rank's waits for its slowest EP peer out of its forward time? Not under train.compile at ep > 1:
-    there they run inside the layers' graphs, where no clock is read, and the forward holds the waits.
+    a rank's waits for its slowest EP peer out of its forward time? Not under train.compile at ep > 1
+    without overlap: there they run inside the layers' graphs, where no clock is read, and the forward
+    holds the waits (overlapped, parallel.overlap=a2a, they run between the compiled regions, timed).
     The answer comes from the config, the same on every rank (pipeline stages without experts too), so
     every rank's time is measured alike."""
-    return not (cfg.train.compile is True and cfg.parallel.ep > 1)  # (auto: resolved to a bool at start)
+    # (train.compile auto: resolved to a bool at start)
+    return not (cfg.train.compile is True and cfg.parallel.ep > 1 and cfg.parallel.overlap == "none")
 
 
 def enable_unbacked_splits() -> None:
@@ -49,13 +72,18 @@ def enable_unbacked_splits() -> None:
     torch._dynamo.config.capture_scalar_outputs = True
 
 
-def compile_regions(model: nn.Module, backend: str = "inductor", fullgraph: bool = False) -> list[str]:
+def compile_regions(model: nn.Module, backend: str = "inductor", fullgraph: bool = False,
+                    overlap: bool = False) -> list[str]:
     """Compile every decoder layer, and the head and loss of the CausalLM inside `model` (a whole
-    model or a pipeline stage holding one), in place. Returns the compiled modules' names."""
+    model or a pipeline stage holding one), in place. overlap (parallel.overlap=a2a): every MoE
+    decoder layer, the MTP blocks' included, is compiled region by region instead (MOE_REGIONS), the
+    pieces the overlapped executor's stages call. Returns the compiled modules' names."""
     enable_unbacked_splits()
     names = []
     for name, module in model.named_modules():
-        if isinstance(module, (DecoderLayer, LlamaLayer)):
+        if overlap and isinstance(module, DecoderLayer) and module.is_moe:
+            names += [f"{name}.{part}" for part in compile_moe_regions(module, backend, fullgraph)]
+        elif isinstance(module, (DecoderLayer, LlamaLayer)):
             module.compile(backend=backend, fullgraph=fullgraph)
             names.append(name)
         elif isinstance(module, CausalLM):
@@ -67,3 +95,24 @@ def compile_regions(model: nn.Module, backend: str = "inductor", fullgraph: bool
                 module.loss_fn = torch.compile(lm_loss, backend=backend, fullgraph=fullgraph)
                 names.append(f"{name}.loss_fn" if name else "loss_fn")
     return names
+
+
+MOE_REGIONS = ("attention_block", "mlp.gate", "mlp.experts", "mlp.shared_experts")
+
+
+def compile_moe_regions(layer: DecoderLayer, backend: str = "inductor", fullgraph: bool = False) -> list[str]:
+    """An MoE decoder layer compiled region by region, in place (the regions of MOE_REGIONS it has):
+    its attention block (input norm, attention, residual, post-attention norm), router, routed experts
+    and shared experts. On the accelerator kernels the routed experts' rows are an unbacked size
+    (Experts.rows_unbacked: one graph for every row count, 0 included, as inside a whole compiled
+    layer); the CPU back end's kernels take the counts on the host, a graph break there in any case,
+    and check them against the rows, which the padded row of an unbacked count would fail. The dispatcher
+    stays eager, between the regions: the split-size exchange and its host read, the all-to-alls,
+    and the reordering of the rows around them."""
+    layer.attention_block = torch.compile(layer.attention_block, backend=backend, fullgraph=fullgraph)
+    moe = layer.mlp
+    moe.experts.rows_unbacked = moe.experts.kernels.name == "accelerator"
+    for part in (moe.gate, moe.experts, moe.shared_experts):
+        if part is not None:
+            part.compile(backend=backend, fullgraph=fullgraph)
+    return [r for r in MOE_REGIONS if r != "mlp.shared_experts" or moe.shared_experts is not None]

@@ -86,8 +86,6 @@ def check_overlap(cfg: Config) -> None:
            "for interleaved 1F1B)" if p.pp > 1 and p.virtual_stages == 1 else
            "parallel.tp or parallel.cp > 1: the overlapped executor runs without tensor or context parallelism"
            if p.tp > 1 or p.cp > 1 else
-           "train.compile is true: the overlapped stages run eager (train.compile: auto turns it off)"
-           if cfg.train.compile is True else
            "parallel.redundant_slots > 0: the copies' gradients travel in a blocking exchange inside the expert "
            "stage's backward" if p.redundant_slots else None)
     if p.overlap == "auto":

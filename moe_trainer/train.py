@@ -192,7 +192,8 @@ def resolve_device_settings(cfg, device) -> None:
     if cfg.train.dtype == "auto":
         cfg.train.dtype = "fp32" if device.type == "cpu" else "bf16"
     if cfg.train.compile == "auto":
-        # the overlapped executor's stages run eager (parallel/overlap.py), and so do redundant slots' copies
+        # redundant slots' copies run eager; the overlapped executor's stages compile by sub-layer region
+        # (compile.py) when asked (train.compile: true), but no GPU has measured them yet: auto keeps them eager
         cfg.train.compile = device.type == "cuda" and cfg.parallel.overlap == "none" and not cfg.parallel.redundant_slots
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 tensor cores for fp32 GEMMs

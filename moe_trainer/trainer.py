@@ -133,7 +133,8 @@ class Trainer:
             load_initial_weights(self.model, t.init_from)
         if t.compile is True:  # (auto was resolved by train.resolve_device_settings) after the weights are
             # in place, before the engine wraps the model
-            regions = compile_regions(self.model, backend=t.compile_backend)
+            # overlapped (parallel.overlap=a2a): the MoE layers by sub-layer region, as its stages call them
+            regions = compile_regions(self.model, backend=t.compile_backend, overlap=cfg.parallel.overlap == "a2a")
             if self.is_logger:  # each region compiles at its first call: step 1's time holds the compile
                 print(f"torch.compile ({t.compile_backend}): {len(regions)} regions on this stage "
                       f"({', '.join(regions)}); they compile at their first call, in step 1", flush=True)

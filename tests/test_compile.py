@@ -62,17 +62,26 @@ def test_moe_layer_is_one_graph_and_compiles_fullgraph(dtype):
 
 def test_short_training_compiled_by_region_equals_eager():
     """bf16, 3 SGD steps: the compiled model's losses are eager's; with full recomputation inside the
-    compiled layers too, and the MoE layers' token counts are not counted twice by the re-run."""
+    compiled layers too, and the MoE layers' token counts are not counted twice by the re-run. And
+    compiled by sub-layer region (compile_regions(overlap=True), what the overlapped executor's stages
+    call): every region one graph (fullgraph), shared by the MoE layers, the experts' for any row count."""
     from moe_trainer.parallel.recompute import apply_recompute
     losses, counts = {}, {}
     ids = torch.randint(0, 320, (2, 33), generator=torch.Generator().manual_seed(1))
-    for mode in ("eager", "compiled", "compiled+recompute"):
+    for mode in ("eager", "compiled", "compiled+recompute", "sub-layer regions"):
         cfg, model = small_model(torch.bfloat16, "model.num_hidden_layers=2")
         if mode == "compiled+recompute":
             apply_recompute(model, "full")
-        if mode != "eager":
+        if mode in ("compiled", "compiled+recompute"):
             names = compile_regions(model, backend="aot_eager")
             assert sorted(names) == ["layers.0", "layers.1", "lm_head", "loss_fn", "mtp.0.block", "norm"]
+        if mode == "sub-layer regions":
+            names = compile_regions(model, backend="aot_eager", fullgraph=True, overlap=True)
+            moe = [f"{layer}.{r}" for layer in ("layers.1", "mtp.0.block") for r in
+                   ("attention_block", "mlp.experts", "mlp.gate", "mlp.shared_experts")]
+            assert sorted(names) == sorted(["layers.0", "lm_head", "loss_fn", "norm"] + moe)
+            torch._dynamo.reset()  # count this mode's graphs only (the modes before compiled the head's too)
+            torch._dynamo.utils.counters.clear()
         opt = torch.optim.SGD(model.parameters(), lr=0.2)
         losses[mode] = []
         for _ in range(3):
@@ -82,11 +91,40 @@ def test_short_training_compiled_by_region_equals_eager():
             opt.zero_grad(set_to_none=True)
             losses[mode].append(loss.item())
         counts[mode] = model.layers["1"].mlp.tokens_per_expert.clone()
+        if mode == "sub-layer regions":
+            _regions_are_shared(model)
     assert losses["eager"][0] > losses["eager"][-1]  # it trains: a wrong gradient would not descend alike
     assert counts["eager"].sum() == 3 * 2 * 32 * cfg.model.num_experts_per_tok  # 3 steps of 2 x 32 tokens
-    for mode in ("compiled", "compiled+recompute"):
+    for mode in ("compiled", "compiled+recompute", "sub-layer regions"):
         torch.testing.assert_close(torch.tensor(losses[mode]), torch.tensor(losses["eager"]), rtol=2e-2, atol=0)
         assert counts[mode].sum() == counts["eager"].sum(), mode
+
+
+def _regions_are_shared(model) -> None:
+    """After 3 steps of `model` compiled by sub-layer region: one graph per region and input shape (the
+    MTP block's 31 positions a second, dynamic-length one for the attention block, router, shared experts
+    and head), the routed experts' one for every row count; another MoE layer's regions, and its experts
+    given no rows at all, compile nothing more, inside a held-back backward too (kernels/wgrad.py: full
+    recomputation re-runs an overlapped stage there), where the compiled experts hold nothing back."""
+    from moe_trainer.compile import compile_moe_regions
+    from moe_trainer.kernels import wgrad
+    from moe_trainer.moe.dispatcher import Dispatched
+    stats = torch._dynamo.utils.counters["stats"]
+    assert stats["unique_graphs"] == 12, dict(stats)  # dense layer, norm, loss; attention, router, shared, head x2; experts
+    _, other = small_model(torch.bfloat16, "model.num_hidden_layers=2")
+    layer = other.layers["1"]
+    compile_moe_regions(layer, backend="aot_eager", fullgraph=True)
+    cos, sin = other.rope(32, torch.device("cpu"), torch.bfloat16)
+    h = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).requires_grad_()
+    with wgrad.held_back() as queue:
+        out, _ = layer(h, cos, sin)
+        none = torch.zeros(0, 64, dtype=torch.bfloat16, requires_grad=True)
+        y = layer.mlp._run_experts(Dispatched(none, torch.zeros(0, requires_grad=True),
+                                              torch.zeros(8, dtype=torch.int64), None))
+        (out.float().sum() + y.float().sum()).backward()
+    assert y.shape == (0, 64) and h.grad is not None and layer.mlp.experts.gate_up_proj.grad is not None
+    assert queue == []
+    assert stats["unique_graphs"] == 12, dict(stats)
 
 
 def _recording(graphs: list):

@@ -45,8 +45,11 @@ def held_back(on: bool = True) -> Iterator[Optional[list]]:
 
 def hold(weights: Sequence[torch.Tensor], make: Callable[[], Sequence[torch.Tensor]]) -> bool:
     """Queue `make` (-> the gradients of `weights`, in order) if weight gradients are held back here
-    and every weight is a leaf; False: the caller computes them now."""
-    if _QUEUE is None or not all(w.is_leaf for w in weights):
+    and every weight is a leaf; False: the caller computes them now. Never inside a compiled graph
+    (train.compile: the overlapped stages' routed experts, compile.py): its backward is one graph, traced
+    once, and a traced read of the queue would be a guard whose failure, when full recomputation re-runs
+    the region inside a held-back backward, recompiles it with other saved tensors than the forward's."""
+    if torch.compiler.is_compiling() or _QUEUE is None or not all(w.is_leaf for w in weights):
         return False
     _QUEUE.append((tuple(weights), make))
     return True

@@ -90,11 +90,17 @@ class DecoderLayer(nn.Module):
         self.mlp = build_moe(cfg) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h, cos, sin, documents=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, documents)
+        h, x = self.attention_block(h, cos, sin, documents)
         if self.is_moe:
-            out, aux = self.mlp(self.post_attention_layernorm(h))
+            out, aux = self.mlp(x)
             return h + out, aux
-        return h + self.mlp(self.post_attention_layernorm(h)), None
+        return h + self.mlp(x), None
+
+    def attention_block(self, h, cos, sin, documents=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h + MLA(norm(h)) and its post-attention norm (the FFN's input): a compiled region of its own
+        when the overlapped executor runs an MoE layer's stages (compile.py)."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, documents)
+        return h, self.post_attention_layernorm(h)
 
 
 class MTPModule(nn.Module):

@@ -30,6 +30,10 @@ class Experts(nn.Module):
         self.n_local, self.intermediate_size = n_local, intermediate_size
         self.expert_offset = expert_offset
         self.impl = impl
+        # compiled as a region of its own (compile.py, parallel.overlap=a2a): MoE marks the rows' count an
+        # unbacked size, since it changes every call and may be 0 (or 1), which a backed size would
+        # specialise on and recompile for
+        self.rows_unbacked = False
         if impl == "loop":
             from ..kernels.reference import ReferenceBackend
             self.kernels = ReferenceBackend()

@@ -61,6 +61,11 @@ class MoE(nn.Module):
         return out.view(b, t, d), aux
 
     def _run_experts(self, d) -> torch.Tensor:
+        if self.experts.rows_unbacked:  # a compiled region of its own (compile.py): one graph for any row count
+            from torch._dynamo.decorators import mark_unbacked  # (imported by then: the region compiled)
+            mark_unbacked(d.x, 0)
+            if d.gate is not None:
+                mark_unbacked(d.gate, 0)
         if d.weights is None:
             return self.experts(d.x, d.counts, d.gate)
         # the same expert maths with the weights of this rank's physical slots (a placement plan)

@@ -49,6 +49,10 @@ Gradients are accumulated into the parameters exactly as one backward per micro-
 engine steps as the pipeline executor makes it step (no backward is the accumulation boundary;
 allreduce_gradients and the last step() after the last backward), so DeepSpeed's optimizer step is
 unchanged. The order of every collective is the schedule's, the same on every rank.
+
+Under train.compile the stages call compiled regions (compile.py: each MoE layer's attention block,
+router, routed and shared experts; dense layers, head and loss whole); the all-to-alls this executor
+issues and the dispatcher's split-size read stay outside every graph, eager, between the regions.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """A DeepSeek-V3 model's forward cut into the overlapped executor's stages (overlap.py).
 
 Each MoE decoder layer is cut at its two all-to-alls:
-  A: attention (with its norms and residual), post-attention norm, router, the dispatcher's
-     split-size exchange and the token rows to send (AllToAllDispatcher.dispatch_out);
+  A: attention (with its norms and residual), post-attention norm (DecoderLayer.attention_block),
+     router, the dispatcher's split-size exchange and the token rows to send (dispatch_out);
   -- dispatch all-to-all --
   B: the dispatch's completion, the routed experts, the shared experts, the rows to send back
      (combine_out);
@@ -13,6 +13,10 @@ MoE layer's A; then B of layer j; then C of layer j, any dense layers and A of l
 stage is C of the last MoE layer, the final norm, the head, the losses and multi-token prediction
 (whose MoE block sends its all-to-alls blocking, inside the stage). Every op is the plain forward's
 (DecoderLayer.forward, MoE.forward), in the same order, so the results are bit-identical.
+
+Under train.compile the modules a stage calls are compiled regions (compile.compile_moe_regions: the
+attention block with its norms, the router, the routed and the shared experts; dense layers, head and
+loss whole); the dispatcher's pieces run eager between them.
 
 A stage function maps (inputs, received) to (outputs, outbound, aux): inputs and outputs are dicts of
 what one stage hands the next (tensors and the dispatcher's completion closures), received the rows
@@ -34,9 +38,7 @@ from .recompute import _checkpointed
 
 def _attention_and_route(layer: nn.Module, inp: dict) -> tuple[dict, tuple, object]:
     """Piece A of an MoE layer."""
-    h = inp["h"]
-    h1 = h + layer.self_attn(layer.input_layernorm(h), inp["cos"], inp["sin"], inp["documents"])
-    x = layer.post_attention_layernorm(h1)
+    h1, x = layer.attention_block(inp["h"], inp["cos"], inp["sin"], inp["documents"])
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
     moe = layer.mlp
