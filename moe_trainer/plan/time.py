@@ -85,9 +85,10 @@ TRAINER_TODAY = Mechanisms()
 
 
 def trainer_mechanisms(compile_setting, a2a_overlap: bool = False, gemm_dtype: str = "bf16") -> Mechanisms:
-    """This trainer's mechanisms for a config: train.compile true or auto (on CUDA: on) compiles each
-    decoder layer, head and loss (inductor's kernels and glue bytes), false runs them eager."""
-    compiled = compile_setting is True or compile_setting == "auto"
+    """This trainer's mechanisms for a config: train.compile true, or auto without the overlap (on CUDA:
+    on; train.resolve_device_settings leaves an overlapped run eager), compiles each decoder layer, head
+    and loss (inductor's kernels and glue bytes), false runs them eager."""
+    compiled = compile_setting is True or (compile_setting == "auto" and not a2a_overlap)
     return Mechanisms(a2a_overlap=a2a_overlap, gemm_dtype=gemm_dtype, host="compiled" if compiled else "eager",
                       fused_glue=compiled, wgrad_split=a2a_overlap)
 
