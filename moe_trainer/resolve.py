@@ -68,8 +68,8 @@ def check(cfg: Config) -> None:
 
 def check_overlap(cfg: Config) -> None:
     """parallel.overlap=a2a where the overlapped executor (parallel/overlap.py; at pp > 1 the pipeline
-    executor's interleaved 1F1B pairs) runs; auto (the default) becomes a2a there and none elsewhere;
-    debug.link_* >= 0."""
+    executor's interleaved 1F1B pairs) runs; auto (the default) stays auto there (a2a on GPUs, none on CPU
+    ranks: train.resolve_device_settings) and becomes none elsewhere; debug.link_* >= 0."""
     d = cfg.debug
     _require(is_number(d.link_gbps) and d.link_gbps >= 0 and is_number(d.link_latency_us) and d.link_latency_us >= 0,
              f"debug.link_gbps and debug.link_latency_us must be numbers >= 0 (0 = off), got {d.link_gbps!r} and "
@@ -89,7 +89,7 @@ def check_overlap(cfg: Config) -> None:
            "parallel.redundant_slots > 0: the copies' gradients travel in a blocking exchange inside the expert "
            "stage's backward" if p.redundant_slots else None)
     if p.overlap == "auto":
-        p.overlap = "a2a" if why is None else "none"
+        p.overlap = "auto" if why is None else "none"
         return
     _require(why is None, f"parallel.overlap=a2a cannot run here: {why}; set parallel.overlap=none.")
 

@@ -186,11 +186,18 @@ def set_threads(device_type: str, rank: int) -> None:
 
 
 def resolve_device_settings(cfg, device) -> None:
-    """train.dtype auto -> bf16 on accelerators, fp32 on CPU ranks; train.compile auto -> on CUDA only
+    """train.dtype auto -> bf16 on accelerators, fp32 on CPU ranks; parallel.overlap auto (where it runs:
+    resolve.check_overlap) -> a2a on accelerators, none on CPU ranks; train.compile auto -> on CUDA only
     (the run directory's config.yaml records the values used); fp32 matmuls on CUDA run as TF32."""
     import torch
     if cfg.train.dtype == "auto":
         cfg.train.dtype = "fp32" if device.type == "cpu" else "bf16"
+    if cfg.parallel.overlap == "auto":
+        # on NCCL the transfers run on their own stream, beside the other micro-batch's compute; between
+        # CPU ranks on the shared-memory rings the exchange runs when it is waited for, on the rank's own
+        # thread, so there is nothing to hide and the pairing only costs (0.91x without a link,
+        # docs/BENCHMARKS.md); a CPU run asks for it with parallel.overlap=a2a (the benches, the tests)
+        cfg.parallel.overlap = "none" if device.type == "cpu" else "a2a"
     if cfg.train.compile == "auto":
         # redundant slots' copies run eager; the overlapped executor's stages compile by sub-layer region
         # (compile.py) when asked (train.compile: true), but no GPU has measured them yet: auto keeps them eager

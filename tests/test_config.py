@@ -165,3 +165,27 @@ def test_cuda_asked_for_without_a_gpu_is_one_sentence(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "rank 0: DS_ACCELERATOR=cuda asks for CUDA, but torch" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_overlap_auto_is_a2a_on_gpus_where_it_runs_and_none_elsewhere():
+    """parallel.overlap auto: none at load where the overlapped executor cannot run (ep 1, plain 1F1B
+    at pp > 1); where it can, a2a on an accelerator (train.compile auto then stays eager) and none on
+    CPU ranks, whose shared-memory exchange has nothing to hide; an explicit value is kept."""
+    import torch
+
+    from moe_trainer.train import resolve_device_settings
+    tiny = str(ROOT / "configs/moe_tiny.yaml")
+    assert load_config(tiny, []).parallel.overlap == "none"  # ep 1
+    assert load_config(tiny, ["parallel.ep=2", "parallel.pp=2"]).parallel.overlap == "none"  # plain 1F1B
+    precision = torch.get_float32_matmul_precision()
+    try:
+        for device, overlap, compiled in (("cpu", "none", False), ("cuda", "a2a", False)):
+            cfg = load_config(tiny, ["parallel.ep=2"])
+            assert cfg.parallel.overlap == "auto"
+            resolve_device_settings(cfg, torch.device(device))
+            assert (cfg.parallel.overlap, cfg.train.compile) == (overlap, compiled)
+        cfg = load_config(tiny, ["parallel.ep=2", "parallel.overlap=a2a"])
+        resolve_device_settings(cfg, torch.device("cpu"))
+        assert cfg.parallel.overlap == "a2a"
+    finally:
+        torch.set_float32_matmul_precision(precision)

@@ -177,7 +177,7 @@ def _run_time(args, argv) -> int:
         setup = setup_from_config(cfg, args.gpus, args.zero, args.gpus_per_node)
         # parallel.overlap=a2a: the trainer pairs micro-batches as --overlap models (pp 1, interleaved pp > 1)
         # (and then holds the experts' weight gradients back: Mechanisms.wgrad_split)
-        mech = time_mod.trainer_mechanisms(cfg.train.compile, a2a_overlap=cfg.parallel.overlap == "a2a" or args.overlap)
+        mech = time_mod.trainer_mechanisms(cfg.train.compile, a2a_overlap=cfg.parallel.overlap != "none" or args.overlap)
     mech = time_mod.dataclasses.replace(mech, a2a_overlap=mech.a2a_overlap or args.overlap,
                                         gemm_dtype=args.gemm_dtype or mech.gemm_dtype)
     gpu, eff = _gpu_eff(args)

@@ -257,10 +257,10 @@ def gathered_input_bytes(m: ModelConfig, tp: int, sp: bool, sp_regather: bool, b
 
 
 def overlapped(cfg: Config, micro_batches: int) -> bool:
-    """Whether overlapped pairs run (parallel.overlap=a2a: the gradient-accumulation micro-batches at pp 1,
-    interleaved 1F1B's steady (backward, forward) pairs at pp > 1)."""
+    """Whether overlapped pairs run (parallel.overlap=a2a, or auto, which is a2a on GPUs: the gradient-
+    accumulation micro-batches at pp 1, interleaved 1F1B's steady (backward, forward) pairs at pp > 1)."""
     p = cfg.parallel
-    return p.overlap == "a2a" and micro_batches > 1 and (p.pp == 1 or p.virtual_stages > 1)
+    return p.overlap in ("a2a", "auto") and micro_batches > 1 and (p.pp == 1 or p.virtual_stages > 1)
 
 
 def stage_activation_bytes(cfg: Config, partition: Sequence[int], stage: int, micro_batches: int,
