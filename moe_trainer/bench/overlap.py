@@ -236,7 +236,7 @@ def main(argv=None) -> None:
         return
     total = a.steps + a.warmup
     tmp = Path(tempfile.mkdtemp(prefix="bench_overlap_"))
-    cal = figures(run(tmp / "calibrate", total, [], a.pp, a.v), a.warmup)
+    cal = figures(run(tmp / "calibrate", total, ["parallel.overlap=none"], a.pp, a.v), a.warmup)
     print(f"calibration (blocking, no link): step {cal['step_time_s']:.3f} s, compute {cal['time.compute_s']:.3f} s, "
           f"all-to-all {cal['time.all_to_all_s']:.3f} s, {cal['a2a_bytes'] / 1e6:.2f} MB a step", flush=True)
     settings = {"no link": []}
