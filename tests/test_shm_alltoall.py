@@ -25,8 +25,13 @@ def _init(rank, world, port):
 
 def _equal_to_gloo_worker(rank, world, port, ring_bytes, results):
     _init(rank, world, port)
+    from moe_trainer.kernels.cpu import extension
+    ops, names = extension.kernels(), []
+    create = ops.shm_channel_create  # the name this job's channel gets (another worker's jobs make theirs)
+    ops.shm_channel_create = lambda name, *a: names.append(name) or create(name, *a)
     shm = ShmAllToAll.create(dist.group.WORLD, ring_bytes=ring_bytes)
-    assert shm is not None
+    ops.shm_channel_create = create
+    assert shm is not None and len(names) == 1
     ok = True
     for call in range(12):
         # the same table of splits on every rank: splits[i][j] rows from rank i to rank j
@@ -53,7 +58,7 @@ def _equal_to_gloo_worker(rank, world, port, ring_bytes, results):
     dist.all_to_all_single(want, x)
     ok &= torch.equal(got, want)
     shm.close()
-    results[rank] = ok
+    results[rank] = (ok, names[0])
     dist.destroy_process_group()
 
 
@@ -61,10 +66,11 @@ def _equal_to_gloo_worker(rank, world, port, ring_bytes, results):
                          ids=["w2-big-ring", "w2-tiny-ring", "w4-small-ring"])
 def test_shm_all_to_all_equals_gloo(world, ring_bytes):
     """Tiny rings make every chunk stream through in many passes (and wrap around)."""
-    before = set(Path("/dev/shm").glob("moe_trainer_a2a_*"))
     res = spawn_ranks(_equal_to_gloo_worker, world, ring_bytes)
-    assert all(res.values()), res
-    assert set(Path("/dev/shm").glob("moe_trainer_a2a_*")) == before  # names removed once mapped
+    assert all(ok for ok, _ in res.values()), res
+    name = res[0][1]  # one name for the job, a file per rank under it: removed once every rank mapped it
+    assert name.startswith("/dev/shm/moe_trainer_a2a_") and {n for _, n in res.values()} == {name}
+    assert not list(Path("/dev/shm").glob(Path(name).name + "*"))
 
 
 def _timeout_worker(rank, world, port, results):
