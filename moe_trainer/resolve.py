@@ -94,6 +94,21 @@ def check_overlap(cfg: Config) -> None:
     _require(why is None, f"parallel.overlap=a2a cannot run here: {why}; set parallel.overlap=none.")
 
 
+def overlap_runs(cfg: Config, device_type: str = "cuda") -> bool:
+    """Whether parallel.overlap, as check_overlap left it, runs the overlapped executor on ranks of
+    `device_type` (the planner and the dry run plan CUDA ranks): a2a always; auto on accelerators
+    only where the run stays eager (train.compile false, or auto off CUDA). Where it compiles, the
+    compiled blocking path is the one a GPU has measured (2x eager on an H200) and the planner
+    predicts an eager overlapped run host-bound, 0.35x of it (moe_1b_8gpu on H100); overlapped and
+    compiled regions (parallel.overlap a2a with train.compile true, predicted 1.19x) wait for a GPU to
+    measure them. Between CPU ranks there is nothing to hide (train.resolve_device_settings)."""
+    o = cfg.parallel.overlap
+    if o != "auto":
+        return o == "a2a"
+    compiles = cfg.train.compile is True or (cfg.train.compile == "auto" and device_type == "cuda")
+    return device_type != "cpu" and not compiles
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)

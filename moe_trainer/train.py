@@ -187,9 +187,11 @@ def set_threads(device_type: str, rank: int) -> None:
 
 def resolve_device_settings(cfg, device) -> None:
     """train.dtype auto -> bf16 on accelerators, fp32 on CPU ranks; parallel.overlap auto (where it runs:
-    resolve.check_overlap) -> a2a on accelerators, none on CPU ranks; train.compile auto -> on CUDA only
-    (the run directory's config.yaml records the values used); fp32 matmuls on CUDA run as TF32."""
+    resolve.check_overlap) -> a2a on accelerators where the run stays eager, none where it compiles and on
+    CPU ranks (resolve.overlap_runs); train.compile auto -> on CUDA only (the run directory's config.yaml
+    records the values used); fp32 matmuls on CUDA run as TF32."""
     import torch
+    from .resolve import overlap_runs
     if cfg.train.dtype == "auto":
         cfg.train.dtype = "fp32" if device.type == "cpu" else "bf16"
     if cfg.parallel.overlap == "auto":
@@ -197,10 +199,10 @@ def resolve_device_settings(cfg, device) -> None:
         # CPU ranks on the shared-memory rings the exchange runs when it is waited for, on the rank's own
         # thread, so there is nothing to hide and the pairing only costs (0.91x without a link,
         # docs/BENCHMARKS.md); a CPU run asks for it with parallel.overlap=a2a (the benches, the tests)
-        cfg.parallel.overlap = "none" if device.type == "cpu" else "a2a"
+        cfg.parallel.overlap = "a2a" if overlap_runs(cfg, device.type) else "none"
     if cfg.train.compile == "auto":
-        # redundant slots' copies run eager; the overlapped executor's stages compile by sub-layer region
-        # (compile.py) when asked (train.compile: true), but no GPU has measured them yet: auto keeps them eager
+        # redundant slots' copies run eager; an overlapped run (parallel.overlap a2a, asked for) compiles its
+        # sub-layer regions (compile.py) only when train.compile is true: no GPU has measured them yet
         cfg.train.compile = device.type == "cuda" and cfg.parallel.overlap == "none" and not cfg.parallel.redundant_slots
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 tensor cores for fp32 GEMMs

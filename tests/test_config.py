@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from moe_trainer.config import ConfigError, validate_layout
-from moe_trainer.resolve import load_config
+from moe_trainer.resolve import load_config, overlap_runs
 from moe_trainer.parallel.zero import deepspeed_config
 
 from conftest import ROOT, env
@@ -169,22 +169,30 @@ def test_cuda_asked_for_without_a_gpu_is_one_sentence(tmp_path):
 
 def test_overlap_auto_is_a2a_on_gpus_where_it_runs_and_none_elsewhere():
     """parallel.overlap auto: none at load where the overlapped executor cannot run (ep 1, plain 1F1B
-    at pp > 1); where it can, a2a on an accelerator (train.compile auto then stays eager) and none on
-    CPU ranks, whose shared-memory exchange has nothing to hide; an explicit value is kept."""
+    at pp > 1); where it can, a2a on an accelerator whose run stays eager (train.compile false), none
+    where it compiles (compile auto on CUDA: the measured compiled path keeps its graphs, where the
+    overlap would have made it eager and host-bound) and on CPU ranks, whose shared-memory exchange has
+    nothing to hide; an explicit value is kept. The planner and the dry run resolve it alike."""
     import torch
 
+    from moe_trainer.plan.memory import overlapped
     from moe_trainer.train import resolve_device_settings
     tiny = str(ROOT / "configs/moe_tiny.yaml")
     assert load_config(tiny, []).parallel.overlap == "none"  # ep 1
     assert load_config(tiny, ["parallel.ep=2", "parallel.pp=2"]).parallel.overlap == "none"  # plain 1F1B
     precision = torch.get_float32_matmul_precision()
     try:
-        for device, overlap, compiled in (("cpu", "none", False), ("cuda", "a2a", False)):
-            cfg = load_config(tiny, ["parallel.ep=2"])
+        for device, compile_, overlap, compiled in (("cpu", "auto", "none", False), ("cuda", "auto", "none", True),
+                                                    ("cuda", "false", "a2a", False), ("cuda", "true", "none", True),
+                                                    ("xpu", "auto", "a2a", False)):
+            cfg = load_config(tiny, ["parallel.ep=2", f"train.compile={compile_}"])
             assert cfg.parallel.overlap == "auto"
+            assert overlapped(cfg, 4) == (device == "cuda" and overlap == "a2a")  # the planner plans CUDA ranks
+            assert overlap_runs(cfg, device) == (overlap == "a2a")
             resolve_device_settings(cfg, torch.device(device))
-            assert (cfg.parallel.overlap, cfg.train.compile) == (overlap, compiled)
+            assert (cfg.parallel.overlap, cfg.train.compile) == (overlap, compiled), device
         cfg = load_config(tiny, ["parallel.ep=2", "parallel.overlap=a2a"])
+        assert overlap_runs(cfg, "cuda") and overlapped(cfg, 4) and not overlapped(cfg, 1)
         resolve_device_settings(cfg, torch.device("cpu"))
         assert cfg.parallel.overlap == "a2a"
     finally:

@@ -109,6 +109,32 @@ def test_in_flight_is_min_of_remaining_stages_and_micro_batches():
     assert [plan.in_flight(s, 4, 2) for s in range(4)] == [2, 2, 2, 1]
 
 
+def test_overlapped_pairs_add_their_records_not_a_micro_batch():
+    """parallel.overlap a2a: at pp 1 a pair's forward fills memory as its backward frees it, so the schedule's
+    in-flight count stays and the pair adds the records the executor keeps per MoE layer ((3 + 2k) h) and
+    per block (h) of one micro-batch; at pp > 1 one more chunk (1/v of the stage) with its records.
+    moe_1b_8gpu's plan is then its dry run's heaviest peak (26.2 GB, docs/DRY_RUN.md) within 1%."""
+    from moe_trainer.plan.memory import stage_activation_bytes
+    prec = plan.precision_for(None, "bf16", "fp32")
+    for sets, stage in (([], 0), (["parallel.pp=2", "parallel.virtual_stages=2"], 0),
+                        (["parallel.pp=2", "parallel.virtual_stages=2"], 1)):
+        base = [str(CONFIGS / "moe_1b_8gpu.yaml"), sets + ["train.compile=false"]]
+        off = load_config(base[0], base[1] + ["parallel.overlap=none"])
+        on = load_config(base[0], base[1] + ["parallel.overlap=a2a"])
+        m, part = on.model, plan.stage_partition(on)
+        a, b = (stage_activation_bytes(c, part, stage, 8, prec) for c in (off, on))
+        blocks = part[stage]
+        moe = blocks - (1 if stage == 0 else 0)  # first_k_dense_replace 1
+        records = (moe * (3 + 2 * m.num_experts_per_tok) + blocks) * m.hidden_size * 2 * 4096
+        v = on.parallel.virtual_stages
+        assert b.in_flight == a.in_flight
+        extra = (records + (a.per_micro_batch if v > 1 else 0)) / v
+        assert b.no_recompute - a.no_recompute == pytest.approx(extra, rel=1e-9)
+        assert b.overlap_extra == pytest.approx(extra, rel=1e-9) and a.overlap_extra == 0
+    peak = plan.make_plan(load_config(str(CONFIGS / "moe_1b_8gpu.yaml"), ["parallel.overlap=a2a"]), 8).peak_bytes
+    assert 26.2e9 * 0.99 < peak < 26.2e9 * 1.01
+
+
 def test_balanced_partition():
     assert plan.balanced_partition(126, 16) == [7] + [8] * 14 + [7]  # Llama 3 405B's split
     split = plan.balanced_partition(61, 16)

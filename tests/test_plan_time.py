@@ -274,6 +274,31 @@ def test_search_is_fast_and_fits(name, gpus, gpu):
     assert speeds == sorted(speeds, reverse=True)
 
 
+def test_search_resolves_the_overlap_per_layout():
+    """The search takes parallel.overlap as a CUDA run resolves it for each layout: auto (the default,
+    train.compile auto) keeps the compiled blocking path; a2a with train.compile true overlaps every
+    layout the executor runs (ep > 1, tp = cp = 1, pp 1 or interleaved) and drops the rest, as the
+    trainer refuses them; the winner's --set lines carry the overlap for the dry run."""
+    from moe_trainer.plan.search import layout_mechanisms
+    cfg = _cfg("moe_1b_16gpu.yaml")
+    auto, _, _ = search(cfg, 16, gpu_named("h100"), Efficiency(), Mechanisms(), 80.0, top=300, overlap="auto")
+    assert all(c.overlap == "none" and not c.mechanisms.a2a_overlap and c.mechanisms.host == "compiled" for c in auto)
+    asked = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=True))
+    both, tried, _ = search(asked, 16, gpu_named("h100"), Efficiency(), Mechanisms(), 80.0, top=300, overlap="a2a")
+    assert tried < len(auto) and both
+    for c in both:
+        s = c.setup
+        assert c.overlap == "a2a" and c.mechanisms.a2a_overlap and c.mechanisms.wgrad_split
+        assert s.ep > 1 and s.tp == s.cp == 1 and (s.pp == 1 or s.virtual_stages > 1)
+        assert "parallel.overlap=a2a" in c.overrides() and c.label().endswith("a2a overlap")
+    # the same layout, overlapped and compiled, is modelled faster than blocking, and holds more memory
+    same = next(c for c in auto if c.label() + " a2a overlap" == both[0].label())
+    assert both[0].time.tokens_per_s_per_gpu > same.time.tokens_per_s_per_gpu and both[0].peak_gb > same.peak_gb
+    # --overlap (a what-if) models it at every layout; a layout the trainer cannot overlap keeps its --set
+    what_if = layout_mechanisms(cfg, Mechanisms(a2a_overlap=True))
+    assert what_if.a2a_overlap and what_if.host == "eager"
+
+
 def test_load_imbalance_from_a_run_directory(tmp_path):
     from moe_trainer.expert_load.files import write_expert_load
     counts = torch.tensor([[4.0, 4, 4, 4], [8, 0, 4, 4]])  # layer 1: rank 0 (experts 0, 1) holds 8 of 16

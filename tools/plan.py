@@ -25,11 +25,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from moe_trainer import plan  # noqa: E402
-from moe_trainer.config import ConfigError  # noqa: E402
+from moe_trainer.config import ConfigError, read_config  # noqa: E402
 from moe_trainer.plan import gpus as gpus_mod, published, search as search_mod, time as time_mod  # noqa: E402
 from moe_trainer.plan import time_report  # noqa: E402
 from moe_trainer.plan.work import setup_from_config  # noqa: E402
-from moe_trainer.resolve import load_config  # noqa: E402
+from moe_trainer.resolve import load_config, overlap_runs  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
@@ -175,9 +175,10 @@ def _run_time(args, argv) -> int:
     else:
         cfg = load_config(args.config, args.set, read_init_from=True)
         setup = setup_from_config(cfg, args.gpus, args.zero, args.gpus_per_node)
-        # parallel.overlap=a2a: the trainer pairs micro-batches as --overlap models (pp 1, interleaved pp > 1)
+        # parallel.overlap a2a (or auto where a CUDA run stays eager: resolve.overlap_runs): the trainer pairs
+        # micro-batches as --overlap models (pp 1, interleaved pp > 1)
         # (and then holds the experts' weight gradients back: Mechanisms.wgrad_split)
-        mech = time_mod.trainer_mechanisms(cfg.train.compile, a2a_overlap=cfg.parallel.overlap != "none" or args.overlap)
+        mech = time_mod.trainer_mechanisms(cfg.train.compile, a2a_overlap=overlap_runs(cfg) or args.overlap)
     mech = time_mod.dataclasses.replace(mech, a2a_overlap=mech.a2a_overlap or args.overlap,
                                         gemm_dtype=args.gemm_dtype or mech.gemm_dtype)
     gpu, eff = _gpu_eff(args)
@@ -196,16 +197,26 @@ def _run_search(args, argv) -> int:
     if published.is_published_file(args.config):
         raise plan.PlanError(f"--search takes a trainer config; {args.config} is a published-run file (an "
                              f"architecture the trainer does not build), which --time estimates.")
-    cfg = load_config(args.config, args.set, read_init_from=True)
+    # the overlap as requested (load_config resolves auto for the config's own layout only): the search
+    # resolves it per layout, as the trainer would; --overlap models it at every layout (a what-if)
+    requested = read_config(args.config, args.set).parallel.overlap
+    try:
+        cfg = load_config(args.config, args.set, read_init_from=True)
+    except ConfigError:
+        if requested != "a2a":
+            raise
+        # a2a where the config's own layout cannot run it: other layouts can
+        cfg = load_config(args.config, args.set + ["parallel.overlap=none"], read_init_from=True)
     gpu, eff = _gpu_eff(args)
-    mech = time_mod.trainer_mechanisms(cfg.train.compile, args.overlap, args.gemm_dtype or "bf16")
+    mech = time_mod.Mechanisms(a2a_overlap=args.overlap, gemm_dtype=args.gemm_dtype or "bf16")
     value, _ = _natural(args, setup_from_config(cfg, args.gpus))
-    best, tried, fit = search_mod.search(cfg, args.gpus, gpu, eff, mech, args.gpu_memory_gb, value)
+    best, tried, fit = search_mod.search(cfg, args.gpus, gpu, eff, mech, args.gpu_memory_gb, value,
+                                         overlap=requested)
     if not best:
         raise plan.PlanError(f"none of the {tried} legal layouts of {args.config} on {args.gpus} GPUs fits in "
                              f"--gpu-memory-gb {args.gpu_memory_gb:g}.")
-    own = time_mod.step_time(setup_from_config(cfg, args.gpus, gpus_per_node=args.gpus_per_node), gpu, eff, mech,
-                             value)
+    own = time_mod.step_time(setup_from_config(cfg, args.gpus, gpus_per_node=args.gpus_per_node), gpu, eff,
+                             search_mod.layout_mechanisms(cfg, mech), value)
     if args.json:
         b = best[0]
         _emit_json(args.json, {"config": args.config, "gpus": args.gpus, "set": args.set + b.overrides(),
@@ -216,7 +227,10 @@ def _run_search(args, argv) -> int:
                  f"{c.time.step:.2f} s", f"{c.time.compute:.2f} / {c.time.exposed_comm:.2f} / {c.time.bubble:.2f}",
                  f"{c.peak_gb:.1f}", c.reason] for i, c in enumerate(best)]
         print(f"## python tools/plan.py {' '.join(shlex.quote(a) for a in argv)}\n")
-        print(f"{tried} legal layouts, {fit} fit in {args.gpu_memory_gb:g} GB; {mech.describe()}.\n")
+        what = "modelled at every layout (--overlap)" if args.overlap else \
+            f"where parallel.overlap={requested} runs it (\"a2a overlap\" in the layout)"
+        print(f"{tried} legal layouts, {fit} fit in {args.gpu_memory_gb:g} GB; the all-to-all overlap {what}; "
+              f"the best's mechanisms: {best[0].mechanisms.describe()}.\n")
         print("\n".join(plan.report._table(["#", "layout", "tokens/s per GPU", "TFLOP/s per GPU", "step",
                                               "compute / exposed comm / bubble", "peak GB", "why it beats the next"],
                                              rows)))

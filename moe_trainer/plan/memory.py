@@ -223,12 +223,15 @@ class StageActivations:
     per_micro_batch_recompute: float  # full recomputation: each layer's input (the loss is kept)
     working_set: float  # full recomputation: one layer's activations rebuilt during its backward
     in_flight: float  # micro-batches' worth (fractional with parallel.virtual_stages > 1)
-    no_recompute: float  # in_flight * per_micro_batch + backward_peak
-    full_recompute: float  # in_flight * per_micro_batch_recompute + working_set + backward_peak
+    no_recompute: float  # in_flight * per_micro_batch + backward_peak (+ overlap_extra)
+    full_recompute: float  # in_flight * per_micro_batch_recompute + working_set + backward_peak (+ records)
     # what a backward holds beside the saved activations at the stage's peak: the gradients inside
     # its heaviest layer (about that layer's activations again), or on the last stage the loss's
     # backward (loss_backward_bytes), whichever is more
     backward_peak: float = 0.0
+    # parallel.overlap=a2a: what an overlapped pair holds beyond the schedule's in-flight micro-batches
+    # (without recomputation; with full recomputation the records only)
+    overlap_extra: float = 0.0
 
 
 def _stage_blocks(m: ModelConfig, partition: Sequence[int], stage: int) -> list[int]:
@@ -257,10 +260,12 @@ def gathered_input_bytes(m: ModelConfig, tp: int, sp: bool, sp_regather: bool, b
 
 
 def overlapped(cfg: Config, micro_batches: int) -> bool:
-    """Whether overlapped pairs run (parallel.overlap=a2a, or auto, which is a2a on GPUs: the gradient-
-    accumulation micro-batches at pp 1, interleaved 1F1B's steady (backward, forward) pairs at pp > 1)."""
+    """Whether overlapped pairs run on CUDA ranks (resolve.overlap_runs: parallel.overlap a2a, or auto where
+    the run stays eager): the gradient-accumulation micro-batches at pp 1, interleaved 1F1B's steady
+    (backward, forward) pairs at pp > 1."""
+    from ..resolve import overlap_runs
     p = cfg.parallel
-    return p.overlap in ("a2a", "auto") and micro_batches > 1 and (p.pp == 1 or p.virtual_stages > 1)
+    return overlap_runs(cfg) and micro_batches > 1 and (p.pp == 1 or p.virtual_stages > 1)
 
 
 def stage_activation_bytes(cfg: Config, partition: Sequence[int], stage: int, micro_batches: int,
@@ -283,21 +288,34 @@ def stage_activation_bytes(cfg: Config, partition: Sequence[int], stage: int, mi
         if stage == len(partition) - 1 else 0.0
     kept = len(blocks) * m.hidden_size * b / (p.tp if sp else 1) * tokens + loss
     flight = in_flight(stage, p.pp, micro_batches, p.virtual_stages)
+    extra = extra_recompute = 0.0
     if overlapped(cfg, micro_batches):
-        # parallel.overlap=a2a (parallel/overlap.py): a micro-batch's forward runs beside the previous one's
-        # backward, so one more micro-batch's activations are alive (a chunk's at pp > 1); with full recomputation each of a MoE
-        # layer's three stages keeps its inputs (its checkpoint's): h (counted above); h1, flat and the k
-        # received rows per token (uniform routing); the shared experts' output and the k combined rows
-        flight += 1 if cfg.parallel.pp == 1 else 1 / cfg.parallel.virtual_stages  # at pp > 1 one more chunk
+        # parallel.overlap=a2a (parallel/overlap.py): a pair runs one micro-batch's forward interleaved with
+        # another's backward, stage by stage. Each MoE layer is cut into three stages whose inputs the
+        # executor keeps for the stage-wise backward: h (counted above); h1, flat and the k received rows per
+        # token (uniform routing); the shared experts' output and the k combined rows. With full
+        # recomputation each stage's checkpoint keeps them, for every micro-batch in flight.
         moe = sum(1 for i in blocks if i < m.num_hidden_layers and is_moe_layer(m, i))
-        kept += moe * (3 + 2 * m.num_experts_per_tok) * m.hidden_size * b * tokens
+        records = moe * (3 + 2 * m.num_experts_per_tok) * m.hidden_size * b * tokens
+        kept += records
+        # What the pair adds at its peak: at pp 1 the forward fills memory as the backward (the previous
+        # micro-batch's, in reverse layer order) frees it, so no micro-batch more is alive, only the
+        # records of the one in the pair; at pp > 1 the pair's forward (a chunk, 1/v of the stage) comes on
+        # top of the schedule's in-flight chunks, with its records. Against the dry run's peaks
+        # (docs/DRY_RUN.md): moe_1b_8gpu 1.00x of the heaviest rank, moe_1b_16gpu with v 2 0.99x (rank 0)
+        # and 0.84x (rank 8); one more whole micro-batch read 0.81x and 1.04x / 0.89x.
+        chunk = 1.0 if p.pp == 1 else 1.0 / p.virtual_stages
+        records += len(blocks) * m.hidden_size * b / (p.tp if sp else 1) * tokens
+        extra = chunk * (records + (sum(full) + loss if p.pp > 1 else 0.0))
+        extra_recompute = chunk * (kept if p.pp > 1 else records)
     working = max(full, default=0.0)
     last = stage == len(partition) - 1
     backward = max(working, loss_backward_bytes(m, p.tp) * tokens if last else 0.0)
     return StageActivations(per_micro_batch=sum(full) + loss, per_micro_batch_recompute=kept,
                             working_set=working, in_flight=flight,
-                            no_recompute=flight * (sum(full) + loss) + backward,
-                            full_recompute=flight * kept + working + backward, backward_peak=backward)
+                            no_recompute=flight * (sum(full) + loss) + backward + extra,
+                            full_recompute=flight * kept + working + backward + extra_recompute,
+                            backward_peak=backward, overlap_extra=extra)
 
 
 # ----------------------------------------------------------------------------- the ZeRO paper's table

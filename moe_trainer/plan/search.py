@@ -6,6 +6,11 @@ Enumerated: tp (powers of two up to the node), cp (1, and 2..8 for sequences of 
 it pays), pp (powers of two up to the layers), virtual stages (1, 2, 4), ep (powers of two dividing
 the experts, MoE only), micro-batch size (1, 2) and recomputation (none, selective, full). The
 global batch stays the config's (micro-batches per step follow from dp and the micro-batch size).
+The all-to-all overlap follows the config's `parallel.overlap` as a CUDA run resolves it per layout
+(resolve.check_overlap, overlap_runs): a2a overlaps every layout where the executor runs (ep > 1,
+tp = cp = 1, pp 1 or interleaved) and drops the others, as the trainer refuses them; auto, the
+default, overlaps there only where the run stays eager (train.compile false); none never overlaps.
+An overlapped layout is planned with its memory and its mechanisms.
 """
 from __future__ import annotations
 
@@ -15,11 +20,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import Config, ConfigError, validate, validate_layout
+from ..resolve import check_overlap, overlap_runs
 from .gpus import Efficiency, Gpu
 from .memory import _stage_blocks, copy_bytes, model_state_bytes, rank_params, stage_activation_bytes
 from .params import GB, is_moe_layer, precision_for
 from .pipeline import stage_partition
-from .time import Mechanisms, StepTime, step_time
+from .time import Mechanisms, StepTime, step_time, trainer_mechanisms
 from .work import Setup, setup_from_config
 
 
@@ -29,11 +35,15 @@ class Candidate:
     peak_gb: float
     time: StepTime
     reason: str = ""
+    overlap: str = "none"  # parallel.overlap as a CUDA run resolves it for this layout (its --set)
+    mechanisms: Mechanisms = Mechanisms()  # what the step time was estimated under
 
     def label(self) -> str:
         s = self.setup
         v = f" v{s.virtual_stages}" if s.virtual_stages > 1 else ""
-        return f"tp {s.tp} cp {s.cp} pp {s.pp}{v} ep {s.ep} dp {s.dp} mbs {s.micro_batch_size} recompute {s.recompute}"
+        o = " a2a overlap" if self.mechanisms.a2a_overlap else ""
+        return (f"tp {s.tp} cp {s.cp} pp {s.pp}{v} ep {s.ep} dp {s.dp} mbs {s.micro_batch_size} "
+                f"recompute {s.recompute}{o}")
 
     def overrides(self) -> list[str]:
         """--set overrides that give this layout to the trainer, the dry run or the planner."""
@@ -41,7 +51,7 @@ class Candidate:
         return [f"parallel.tp={s.tp}", f"parallel.cp={s.cp}", f"parallel.pp={s.pp}",
                 f"parallel.virtual_stages={s.virtual_stages}", f"parallel.ep={s.ep}",
                 f"train.micro_batch_size={s.micro_batch_size}", f"parallel.recompute={s.recompute}",
-                "parallel.micro_batches=0", "parallel.pp_partition=null"]
+                "parallel.micro_batches=0", "parallel.pp_partition=null", f"parallel.overlap={self.overlap}"]
 
 
 def _powers(limit: int) -> list[int]:
@@ -52,10 +62,10 @@ def _powers(limit: int) -> list[int]:
     return out
 
 
-def _with(cfg: Config, tp, cp, pp, v, ep, mbs, recompute) -> Config:
+def _with(cfg: Config, tp, cp, pp, v, ep, mbs, recompute, overlap: str) -> Config:
     c = copy.copy(cfg)
     c.parallel = dataclasses.replace(cfg.parallel, tp=tp, cp=cp, pp=pp, virtual_stages=v, ep=ep, micro_batches=0,
-                                     recompute=recompute, pp_partition=None)
+                                     recompute=recompute, pp_partition=None, overlap=overlap)
     c.train = dataclasses.replace(cfg.train, micro_batch_size=mbs)
     return c
 
@@ -77,8 +87,11 @@ def peak_memory(cfg: Config, gpus: int, node: int, partition: list[int], zero: i
     return worst
 
 
-def candidates(cfg: Config, gpus: int, node: int) -> list[Config]:
-    """Every layout the trainer's validation accepts."""
+def candidates(cfg: Config, gpus: int, node: int, overlap: Optional[str] = None) -> list[Config]:
+    """Every layout the trainer's validation accepts, its parallel.overlap resolved for it from
+    `overlap` (the config's own request, before load_config resolved it for the config's layout;
+    default the config's)."""
+    overlap = overlap or cfg.parallel.overlap
     m, t = cfg.model, cfg.train
     moe = m.arch == "deepseek_v3" and m.num_hidden_layers > m.first_k_dense_replace
     cps = [c for c in _powers(8) if c == 1 or t.seq_len >= 32768]
@@ -93,10 +106,11 @@ def candidates(cfg: Config, gpus: int, node: int) -> list[Config]:
                     for ep in eps:
                         for mbs in (1, 2):
                             for rc in ("none", "selective", "full"):
-                                c = _with(cfg, tp, cp, pp, v, ep, mbs, rc)
+                                c = _with(cfg, tp, cp, pp, v, ep, mbs, rc, overlap)
                                 try:
                                     validate(c)
                                     validate_layout(c, gpus, node)
+                                    check_overlap(c)
                                 except ConfigError:
                                     continue
                                 out.append(c)
@@ -104,12 +118,16 @@ def candidates(cfg: Config, gpus: int, node: int) -> list[Config]:
 
 
 def search(cfg: Config, gpus: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms, gpu_memory_gb: float,
-           imbalance: Optional[float] = None, top: int = 10) -> tuple[list[Candidate], int, int]:
-    """(the `top` fastest fitting layouts, layouts tried, layouts that fit)."""
+           imbalance: Optional[float] = None, top: int = 10,
+           overlap: Optional[str] = None) -> tuple[list[Candidate], int, int]:
+    """(the `top` fastest fitting layouts, layouts tried, layouts that fit). Each layout runs under
+    `mech` with this trainer's mechanisms for its own overlap (trainer_mechanisms: the all-to-all
+    paired, the weight gradients held back, compile auto eager); `mech.a2a_overlap` models the
+    overlap at every layout (tools/plan.py --overlap, a what-if)."""
     node = cfg.parallel.gpus_per_node or gpu.gpus_per_node
     found, tried = [], 0
     partitions: dict = {}  # (pp, v) -> the trainer's cost-balanced layers per rank (stage_partition)
-    for c in candidates(cfg, gpus, node):
+    for c in candidates(cfg, gpus, node, overlap):
         tried += 1
         key = (c.parallel.pp, c.parallel.virtual_stages)
         if key not in partitions:
@@ -118,12 +136,23 @@ def search(cfg: Config, gpus: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms, 
         if peak > gpu_memory_gb * GB:
             continue
         s = setup_from_config(c, gpus, gpus_per_node=node, partition=tuple(partitions[key]))
-        r = step_time(s, gpu, eff, mech, imbalance)
-        found.append(Candidate(s, peak / GB, r))
+        own = layout_mechanisms(c, mech)
+        found.append(Candidate(s, peak / GB, step_time(s, gpu, eff, own, imbalance),
+                               overlap="a2a" if overlap_runs(c) else "none", mechanisms=own))
     found.sort(key=lambda x: -x.time.tokens_per_s_per_gpu)
     best = found[:top]
     return [dataclasses.replace(x, reason=_reason(x, best[i + 1] if i + 1 < len(best) else None))
             for i, x in enumerate(best)], tried, len(found)
+
+
+def layout_mechanisms(c: Config, mech: Mechanisms) -> Mechanisms:
+    """`mech` with this trainer's mechanisms for a layout whose parallel.overlap is resolved: paired
+    all-to-alls and held-back weight gradients where it overlaps, and train.compile auto then eager."""
+    own = trainer_mechanisms(c.train.compile, overlap_runs(c), mech.gemm_dtype)
+    if mech.a2a_overlap and not own.a2a_overlap:
+        own = trainer_mechanisms(c.train.compile, True, mech.gemm_dtype)
+    return dataclasses.replace(mech, a2a_overlap=own.a2a_overlap, wgrad_split=own.wgrad_split, host=own.host,
+                               fused_glue=own.fused_glue)
 
 
 _PARTS = (("compute", "compute"), ("exposed_comm", "exposed communication"), ("bubble", "bubble"),
