@@ -169,8 +169,9 @@ class ParallelConfig:
     expert_placement: str = "auto"
     # a2a: the expert all-to-alls of one micro-batch in flight while another computes (parallel/overlap.py;
     # deepseek_v3, ep > 1, tp = cp = 1, pp = 1 or interleaved 1F1B, no redundant slots); none: every
-    # all-to-all waited for where it is issued; auto: a2a where it runs on GPUs, else none (resolve.py
-    # check_overlap, train.resolve_device_settings: between CPU ranks the shared-memory exchange has nothing
+    # all-to-all waited for where it is issued; auto: a2a where it runs on GPUs and the run stays eager
+    # (train.compile false), else none (resolve.py check_overlap and overlap_runs, train.resolve_device_settings:
+    # a compiled run keeps its measured compiled path; between CPU ranks the shared-memory exchange has nothing
     # to hide, it runs when waited for)
     overlap: str = "auto"
     # online re-placement (parallel/slots.py): every N optimizer steps the experts' slots may move between

@@ -227,10 +227,11 @@ def _run_search(args, argv) -> int:
                  f"{c.time.step:.2f} s", f"{c.time.compute:.2f} / {c.time.exposed_comm:.2f} / {c.time.bubble:.2f}",
                  f"{c.peak_gb:.1f}", c.reason] for i, c in enumerate(best)]
         print(f"## python tools/plan.py {' '.join(shlex.quote(a) for a in argv)}\n")
-        what = "modelled at every layout (--overlap)" if args.overlap else \
-            f"where parallel.overlap={requested} runs it (\"a2a overlap\" in the layout)"
-        print(f"{tried} legal layouts, {fit} fit in {args.gpu_memory_gb:g} GB; the all-to-all overlap {what}; "
-              f"the best's mechanisms: {best[0].mechanisms.describe()}.\n")
+        what = "" if cfg.model.arch != "deepseek_v3" else "; the all-to-all overlap " + (
+            "modelled at every layout (--overlap: its time; the memory as the trainer holds the layout)"
+            if args.overlap else f"where parallel.overlap={requested} runs it (\"a2a overlap\" in the layout)")
+        print(f"{tried} legal layouts, {fit} fit in {args.gpu_memory_gb:g} GB{what}; the best's mechanisms: "
+              f"{best[0].mechanisms.describe()}.\n")
         print("\n".join(plan.report._table(["#", "layout", "tokens/s per GPU", "TFLOP/s per GPU", "step",
                                               "compute / exposed comm / bubble", "peak GB", "why it beats the next"],
                                              rows)))

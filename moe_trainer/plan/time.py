@@ -96,8 +96,8 @@ def trainer_mechanisms(compile_setting, a2a_overlap: bool = False, gemm_dtype: s
 TRAINER_OVERLAPS = {
     "tensor parallel": "no (collectives between the GEMMs)",
     "context parallel": "no (K/V all-gather before attention)",
-    "expert all-to-all": "with parallel.overlap a2a (auto, the default: where it runs), at pp 1 and under "
-                         "interleaved 1F1B at pp > 1 (--overlap models it), the experts' weight gradients held "
+    "expert all-to-all": "with parallel.overlap a2a (auto, the default: where it runs and the run is eager), at "
+                         "pp 1 and under interleaved 1F1B at pp > 1 (--overlap models it), the experts' weight gradients held "
                          "back behind the backward dispatch; the split-size exchange stays blocking",
     "pipeline send/recv": "no (blocking sends between the schedule's steps)",
     "ZeRO-1 reductions": "no (DeepSpeed's overlap_comm is off: parallel/zero.py writes stage 1 only)",
