@@ -1,0 +1,513 @@
+"""Host time of a MoE decoder layer measured by proxy on a CPU: Megatron-Core's layer against ours.
+
+The step-time model charges Megatron's eager per-layer path at a fused launcher's 9 us per kernel
+(plan/gpus.py `launch_us`), and the fine-grained MoE runs trained with Megatron-Core read 1.3x fast
+(docs/PLANS.md, "Why the fine-grained MoE runs read fast"). No public source gives Megatron's host
+time per layer. This measures it by proxy: both layers at tiny shapes on one CPU thread, where the
+ops' arithmetic is negligible and the wall time of a forward + backward is the host's work per op
+(Python modules, autograd, the dispatcher, the aten op's own overhead), and the kernels each
+dispatches, by part (attention, router, the token dispatcher's work, experts), so the reader sees
+which parts the Qwen3 recipe's CUDA graphs and fusions remove.
+
+- Megatron-Core (megatron-core, the test extra; called as a peer, nothing copied): a TransformerLayer
+  built from `get_gpt_layer_local_spec` (the modules that need neither Transformer Engine nor Apex):
+  RMSNorm, GQA self-attention with QK RMSNorm and RoPE (Qwen3's), a MoELayer with the alltoall token
+  dispatcher at EP 1, a softmax top-k router in fp32 with the aux loss and forced balance (random
+  logits) as the Qwen3 recipes set them (forced balance apart: below), and SequentialMLP experts (the expert MLP it offers without
+  TE or the grouped_gemm package: one Megatron MLP per local expert). Two stand-ins, both for GPU
+  pieces a CPU cannot run: the core attention is one F.scaled_dot_product_attention call (as TE's
+  flash attention is one kernel each way; Megatron's local DotProductAttention allocates a CUDA
+  buffer), and the dispatcher's side stream for its device-to-host copies is a no-op object while the
+  layer is built and run (`_cuda_as_cpu`: the dispatcher makes one at construction).
+- This trainer: moe_trainer.models.deepseek_v3.DecoderLayer on the accelerator path
+  (MOE_TRAINER_KERNELS=accelerator, the path CUDA runs), configs/moe_bench.yaml's MoE layer (MLA,
+  64 experts top-6, 2 shared) at the same tiny width: the layer whose eager host cost was measured on
+  an H200 (plan/gpus.py `host_eager_us`, 72 us per kernel, 166 kernels per MoE block).
+
+Rounds alternate the two (A B A B ...), each timing `--iters` forward + backward passes; the report
+gives the medians, the spread over rounds, the ratio, the machine's load, the kernels by part
+(as bench.kernel_proxy counts them: views and bare allocations launch nothing; rms_norm and SDPA are
+one kernel each way, as on CUDA), and the figure derived for a GPU.
+
+    python -m moe_trainer.bench.host_proxy [--rounds 7] [--iters 20] [--tokens 64] [--out F.json]
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .kernel_proxy import GEMMS, NO_KERNEL, FusedAsOnCuda, OpCounter, tensors_in
+
+ROOT = Path(__file__).resolve().parents[2]
+# the tiny width both layers run at: arithmetic negligible against the host's work per op
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERT_FFN = 64, 4, 2, 16, 32
+# Megatron's local experts per rank in the Qwen3 recipes: 128 experts over EP 8 (30B) and EP 32
+# (235B), and one (the expert path as one module call, which TE's grouped MLP is on a GPU); top-k at most
+# the experts (the host's ops do not depend on k)
+MEGATRON_CASES = {"megatron_e1": (1, 1), "megatron_e4": (4, 4), "megatron_e16": (16, 8)}  # (local experts, top-k)
+REFERENCE = "ours_e8"  # the denominator of the ratios: this trainer's layer with 8 experts (our_layer)
+PARTS = ("attention", "router", "dispatch", "experts", "shared", "norms+residual", "param grads")
+
+
+# ----------------------------------------------------------------------------- Megatron-Core's layer
+
+def _drop_grads(layer: torch.nn.Module, x: torch.Tensor) -> None:
+    """Gradients back to None after each pass, so every pass writes them fresh and none adds into them:
+    both frameworks accumulate micro-batches elsewhere (Megatron inside the weight-gradient GEMM or
+    its grad buffer's hooks, this trainer in BF16_Optimizer's hooks, which the planner counts apart)."""
+    for p in layer.parameters():
+        p.grad = None
+    x.grad = None
+
+
+class _NoopEvent:
+    def synchronize(self) -> None:
+        pass
+
+
+class _NoopStream:
+    """What MoEAlltoAllTokenDispatcher asks of its device-to-host side stream, on a CPU: nothing."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self, *args) -> _NoopEvent:
+        return _NoopEvent()
+
+
+CPU = torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _cuda_as_cpu():
+    """While Megatron's layer is built and run on a CPU (restored on exit): torch.cuda's stream calls as
+    no-ops (the alltoall dispatcher creates a side stream for its device-to-host copies at construction
+    and enters it at its sync point; on CPU tensors those copies are no-ops already), and the current
+    CUDA device as the CPU (where Megatron allocates buffers and, in the router, moves its weight)."""
+    current = _NoopStream()
+    saved = (torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream, torch.cuda.current_device)
+    torch.cuda.Stream, torch.cuda.current_stream = _NoopStream, lambda *a, **k: current
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    torch.cuda.current_device = lambda: CPU
+    try:
+        yield
+    finally:
+        torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream, torch.cuda.current_device = saved
+
+
+class SdpaCoreAttention(torch.nn.Module):
+    """Causal attention as one F.scaled_dot_product_attention call, in Megatron's core-attention slot
+    (its constructor's and forward's signature; [s, b, heads, dim] in, [s, b, heads * dim] out): the
+    stand-in for TE's flash attention, one kernel each way on a GPU."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, cp_comm_type=None,
+                 softmax_scale=None, pg_collection=None):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def _megatron_parallel_state() -> None:
+    """One gloo rank and Megatron's model-parallel groups of size 1 (idempotent)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+
+
+def megatron_layer(local_experts: int, top_k: int, tokens: int):
+    """Megatron-Core's MoE TransformerLayer (local spec, Qwen3's router settings) and a closure that runs
+    one forward + backward of it on `tokens` tokens of one sequence."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.moe import moe_utils
+    _megatron_parallel_state()
+    # megatron-core 0.16.1 without Transformer Engine leaves this name undefined (its import guard sets
+    # HAVE_TE = False only), and the router's fp32 GEMM tests it: None is what it means there (torch.mm)
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=KV_HEADS,
+        kv_channels=HEAD_DIM, ffn_hidden_size=4 * HIDDEN, normalization="RMSNorm", qk_layernorm=True,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
+        attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=True,
+        # the Qwen3 recipes' MoE: top-k of the experts, softmax scores normalised over the top-k
+        # (pre_softmax false; Megatron requires it at top-1, the one-expert case), fp32 router, aux loss 1e-3, alltoall dispatcher. Not their forced balance
+        # (moe_router_force_load_balancing: random logits drawn under Megatron's CUDA RNG tracker, which
+        # a CPU cannot fork): one randn and two RNG-state swaps per layer on a GPU, left out
+        num_moe_experts=local_experts, moe_router_topk=top_k, moe_ffn_hidden_size=EXPERT_FFN,
+        moe_router_score_function="softmax", moe_router_pre_softmax=top_k == 1, moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3,
+        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(num_experts=local_experts, moe_grouped_gemm=False, qk_layernorm=True,
+                                    normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    with _cuda_as_cpu():
+        layer = build_module(spec, config=cfg, layer_number=1)
+    # RoPE's angles [s, 1, 1, dim], as RotaryEmbedding makes them once per step in GPTModel (its
+    # forward moves them to the CUDA device)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    freqs = torch.outer(torch.arange(tokens, dtype=torch.float32), inv_freq)
+    rope = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+    x = torch.randn(tokens, 1, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+
+    def step():
+        with _cuda_as_cpu():
+            out, _context = layer(x, attention_mask=None, rotary_pos_emb=rope)
+            out.float().sum().backward()
+        _drop_grads(layer, x)
+
+    parts = {"attention": [layer.self_attention], "router": [layer.mlp.router], "experts": [layer.mlp.experts],
+             "dispatch": [layer.mlp], "norms+residual": [layer.input_layernorm, layer.pre_mlp_layernorm]}
+    return layer, step, parts
+
+
+# ----------------------------------------------------------------------------- this trainer's layer
+
+def our_layer(tokens: int, experts: int = 64):
+    """This trainer's MoE decoder layer (configs/moe_bench.yaml's MoE block at the tiny width, with
+    `experts` routed experts) on the accelerator path, and a closure running one forward + backward of
+    it on `tokens` tokens. The host's work does not depend on `experts` (one grouped GEMM over all of
+    them); a CPU's torch._grouped_mm loops over the groups, so fewer experts time less of the CPU's
+    arithmetic and the same host path."""
+    from .. import kernels
+    from ..models.deepseek_v3 import DecoderLayer
+    from ..resolve import load_config
+    cfg = load_config(str(ROOT / "configs/moe_bench.yaml"), [
+        f"model.hidden_size={HIDDEN}", f"model.num_attention_heads={HEADS}", "model.q_lora_rank=32",
+        "model.kv_lora_rank=16", "model.qk_rope_head_dim=8", "model.qk_nope_head_dim=16", "model.v_head_dim=16",
+        f"model.moe_intermediate_size={EXPERT_FFN}", f"model.n_routed_experts={experts}", f"train.seq_len={tokens}"])
+    with kernels.using("accelerator"):
+        layer = DecoderLayer(cfg.model, cfg.model.first_k_dense_replace).to(torch.bfloat16)
+    rope = cfg.model.qk_rope_head_dim
+    cos = torch.randn(tokens, rope, dtype=torch.bfloat16)
+    sin = torch.randn(tokens, rope, dtype=torch.bfloat16)
+    h = torch.randn(1, tokens, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+
+    def step():
+        with kernels.using("accelerator"):
+            out, aux = layer(h, cos, sin)
+            loss = out.float().sum()
+            (loss + aux if aux is not None else loss).backward()
+        _drop_grads(layer, h)
+
+    mlp = layer.mlp
+    parts = {"attention": [layer.self_attn], "router": [mlp.gate], "experts": [mlp.experts], "dispatch": [mlp],
+             "norms+residual": [layer.input_layernorm, layer.post_attention_layernorm]}
+    if mlp.shared_experts is not None:
+        parts["shared"] = [mlp.shared_experts]
+    return layer, step, parts
+
+
+# ----------------------------------------------------------------------------- counting by part
+
+class PartCounter(OpCounter):
+    """bench.kernel_proxy's kernel count, split by the part of the layer that launched each kernel: the
+    forward's by the module running (hooks), the backward's by the autograd node running, mapped back
+    to the module that created it through the nodes' sequence numbers.
+
+    `timing`: instead, every aten op the CPU runs (views included) and the wall time since the previous
+    one ended (the Python between them and the op itself) are booked to the op's part; the counter's own
+    bookkeeping and the hooks' marks are kept out of the clock."""
+
+    def __init__(self, timing: bool = False):
+        super().__init__()
+        self.timing = timing
+        self.by_part: dict[str, int] = defaultdict(int)
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.last = time.perf_counter()
+        self.stack = ["norms+residual"]
+        self.marks: list[tuple[int, str]] = []  # (first sequence number, part) in forward order
+
+    def _sequence_nr(self) -> int:
+        with self.pause(), torch.enable_grad():
+            return (torch.zeros((), requires_grad=True) * 1.0).grad_fn._sequence_nr()
+
+    def enter(self, part: str) -> None:
+        t = time.perf_counter()
+        self.stack.append(part)
+        self.marks.append((self._sequence_nr(), part))
+        self.last += time.perf_counter() - t
+
+    def leave(self) -> None:
+        t = time.perf_counter()
+        self.stack.pop()
+        self.marks.append((self._sequence_nr(), self.stack[-1]))
+        self.last += time.perf_counter() - t
+
+    def part_now(self) -> str:
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return self.stack[-1]
+        seq = node._sequence_nr()
+        if seq >= 2 ** 63 - 1 or node.name() == "torch::autograd::AccumulateGrad":
+            return "param grads"
+        starts = [s for s, _ in self.marks]
+        i = bisect.bisect_right(starts, seq) - 1
+        return self.marks[i][1] if i >= 0 else "norms+residual"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.paused:
+            return out
+        if self.timing:
+            t = time.perf_counter()
+            part = self.part_now()
+            self.seconds[part] += t - self.last
+            self.by_part[part] += 1
+            self.last = time.perf_counter()
+            return out
+        if func.is_view or func in NO_KERNEL:
+            return out
+        self.by_part[self.part_now()] += 1
+        if func in GEMMS:
+            self.gemm["calls"] += 1
+        else:
+            ins, outs = tensors_in(list(args) + list(kwargs.values())), tensors_in(out)
+            super().record(func.__name__, ins, outs)
+        return out
+
+    def record(self, name, ins, outs) -> None:  # rms_norm booked as one kernel (FusedAsOnCuda)
+        self.by_part[self.part_now()] += 1
+        super().record(name, ins, outs)
+
+    def record_sdpa(self, ins, outs, flops) -> None:
+        self.by_part[self.part_now()] += 1
+        super().record_sdpa(ins, outs, flops)
+
+    def kernels(self) -> int:
+        return self.ops + self.gemm["calls"] + self.sdpa["calls"]
+
+
+def count_by_part(step, parts: dict[str, list], timing_iters: int = 20) -> dict:
+    """One forward + backward of `step` under the part counter: kernels in all and by part; then
+    `timing_iters` more under the timing counter: the CPU's aten ops by part and the share of the host
+    time each part takes."""
+    counter = _hooked(step, parts, PartCounter(), as_cuda=True)
+    timer = PartCounter(timing=True)
+    for _ in range(timing_iters):
+        _hooked(step, parts, timer, as_cuda=False)
+    total = sum(timer.seconds.values())
+    return {"kernels": counter.kernels(), "by_part": {p: counter.by_part.get(p, 0) for p in PARTS},
+            "gemm_calls": counter.gemm["calls"], "sdpa_calls": counter.sdpa["calls"],
+            "cpu_ops": sum(timer.by_part.values()) // timing_iters,
+            "cpu_ops_by_part": {p: timer.by_part.get(p, 0) // timing_iters for p in PARTS},
+            "time_share_by_part": {p: timer.seconds.get(p, 0.0) / total for p in PARTS},
+            "timed_us": total / timing_iters * 1e6}
+
+
+def _hooked(step, parts: dict[str, list], counter: PartCounter, as_cuda: bool) -> PartCounter:
+    """Runs `step` once under `counter`, each part's modules marking where it starts and ends."""
+    counter.stack, counter.marks = ["norms+residual"], []
+    handles = []
+    # innermost first wins: a module's own part is entered after its parents' (hooks run per module)
+    for part, modules in parts.items():
+        for m in modules:
+            handles.append(m.register_forward_pre_hook(lambda mod, args, p=part: counter.enter(p)))
+            handles.append(m.register_forward_hook(lambda mod, args, out: counter.leave()))
+    try:
+        with (FusedAsOnCuda(counter) if as_cuda else contextlib.nullcontext()), counter:
+            counter.last = time.perf_counter()
+            step()
+    finally:
+        for h in handles:
+            h.remove()
+    return counter
+
+
+# ----------------------------------------------------------------------------- timing
+
+def time_rounds(steps: dict, rounds: int, iters: int, warmup: int = 3) -> dict[str, list[float]]:
+    """Seconds per forward + backward of each case, one figure per round, the cases alternating."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    out: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+            out[name].append((time.perf_counter() - t0) / iters)
+    return out
+
+
+def _spread(xs: list[float]) -> tuple[float, float, float]:
+    return min(xs), statistics.median(xs), max(xs)
+
+
+def run(rounds: int, iters: int, tokens: int, threads: int = 1) -> dict:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    cases = {"ours": our_layer(tokens), REFERENCE: our_layer(tokens, experts=8)}
+    for name, (experts, k) in MEGATRON_CASES.items():
+        cases[name] = megatron_layer(experts, k, tokens)
+    counts = {name: count_by_part(step, parts) for name, (_layer, step, parts) in cases.items()}
+    load_before = os.getloadavg()
+    times = time_rounds({name: step for name, (_l, step, _p) in cases.items()}, rounds, iters)
+    load_after = os.getloadavg()
+    ours = times[REFERENCE]
+    result = {"tokens": tokens, "hidden": HIDDEN, "threads": threads, "rounds": rounds, "iters": iters,
+              "load_1min": [load_before[0], load_after[0]], "cpu": _cpu_name(), "torch": torch.__version__,
+              "cases": {}}
+    for name, ts in times.items():
+        ratios = [t / o for t, o in zip(ts, ours)]  # per round: the same moment's load for both
+        result["cases"][name] = {
+            "seconds": ts, "median_us": statistics.median(ts) * 1e6, "min_us": min(ts) * 1e6, "max_us": max(ts) * 1e6,
+            "ratio_to_ours": _spread(ratios), "us_per_kernel": statistics.median(ts) * 1e6 / counts[name]["kernels"],
+            **counts[name]}
+    return result
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+# ----------------------------------------------------------------------------- the figure for a GPU
+
+# the Megatron-Core runs the planner holds to published figures (plan/published.py): whatever host figure
+# is read off this proxy applies to all three alike
+MEGATRON_RUNS = ("configs/qwen3_235b_a22b.yaml", "configs/mixtral_8x22b.yaml", "configs/published/qwen3_30b_a3b.yaml")
+# local experts per rank in the Qwen3 recipes (128 experts over EP 32 and EP 8)
+QWEN3_LOCAL_EXPERTS = {"Qwen3-235B-A22B": 4, "Qwen3-30B-A3B": 16}
+# the parts the recipes' fusions and graphs take off the eager path: moe_router_fusion (both), CUDA graphs
+# over the router and the dispatcher's preprocessing (235B), moe_permute_fusion (both)
+FUSED_OR_GRAPHED = ("router", "dispatch")
+# the driver's share of one kernel launch (cuLaunchKernel 3.0-3.3 us: meta-pytorch/tritonbench PR #1017),
+# which a CPU run does not pay; the rest of an eager op's host cost (dispatch, autograd) it does
+CUDA_LAUNCH_US = 3.0
+
+
+def derived(result: dict, host_eager_us: float, launch_us: float, fused_kernels: int) -> dict:
+    """Megatron's host time per MoE layer on a GPU, by the ratio: (Megatron's CPU time / ours) x our
+    GPU-measured host time per layer (host_eager_us x our layer's kernels), with its experts as TE's
+    grouped MLP runs them (the one-expert case: one module call; plus a GEMM launch at `launch_us` for
+    each further local expert's 6 GEMMs, forward and backward). Low: the router's and the dispatcher's
+    share of the time taken off (fused or under CUDA graphs); high: all of it. Each as the planner's
+    launch_us over the fused kernel count of a MoE block (`fused_kernels`). Beside it, absolute: the
+    one-expert layer's fastest round on this CPU plus the driver's launch for each kernel (CUDA_LAUNCH_US),
+    if a GPU host's core runs Python as fast as this one."""
+    ours = result["cases"][REFERENCE]
+    ours_gpu = host_eager_us * ours["kernels"]
+    one = result["cases"]["megatron_e1"]
+    kept = 1.0 - sum(one["time_share_by_part"][p] for p in FUSED_OR_GRAPHED)
+    kept_kernels = sum(n for p, n in one["by_part"].items() if p not in FUSED_OR_GRAPHED)
+    out = {"ours_gpu_us_per_layer": ours_gpu, "kept_share_low": kept, "runs": {}}
+    for run, local in QWEN3_LOCAL_EXPERTS.items():
+        extra = 6 * (local - 1) * launch_us
+        lo_r, med_r, hi_r = one["ratio_to_ours"]
+        high = [r * ours_gpu + extra for r in (lo_r, med_r, hi_r)]
+        low = [r * ours_gpu * kept + extra for r in (lo_r, med_r, hi_r)]
+        seq = result["cases"].get(f"megatron_e{local}")
+        absolute = [one["min_us"] * kept + kept_kernels * CUDA_LAUNCH_US + extra,
+                    one["min_us"] + one["kernels"] * CUDA_LAUNCH_US + extra]
+        out["runs"][run] = {
+            "local_experts": local, "extra_expert_launch_us": extra,
+            "low_us_per_layer": low, "high_us_per_layer": high,
+            "low_launch_us": [x / fused_kernels for x in low], "high_launch_us": [x / fused_kernels for x in high],
+            "absolute_us_per_layer": absolute, "absolute_launch_us": [x / fused_kernels for x in absolute],
+            # the experts as SequentialMLP runs them (one Megatron MLP per local expert): not what the recipes run
+            "sequential_us_per_layer": [r * ours_gpu for r in seq["ratio_to_ours"]] if seq else None}
+    return out
+
+
+def calibrate_at(megatron_launch_us: list[float]) -> dict[str, list[float]]:
+    """`tools/plan.py calibrate`'s estimate / published speed of every run, with the host's time per kernel
+    of the Megatron-Core runs (MEGATRON_RUNS) at each of `megatron_launch_us` and every other run's figures
+    as they are."""
+    import dataclasses
+    from ..plan import gpus, published
+    from ..plan import time as time_mod
+    runs = published.calibration_setups(ROOT)
+    base = gpus.Efficiency()
+    out: dict[str, list[float]] = {}
+    for pub, setup in runs:
+        row = []
+        for us in [base.launch_us, *megatron_launch_us]:
+            eff = dataclasses.replace(base, launch_us=us) if pub.config in MEGATRON_RUNS else base
+            r = time_mod.step_time(setup, gpus.gpu_named(pub.gpu), eff, pub.mechanisms, published.imbalance_of(pub))
+            est = published.estimate_in_unit(pub.unit, r.tokens_per_s_per_gpu, r.model_tflops_per_gpu, r.mfu)
+            row.append(published.ratio(pub.unit, est, pub.figure))
+        out[pub.name.split(" (")[0]] = row
+    return out
+
+
+def format_report(result: dict) -> str:
+    lines = [f"CPU: {result['cpu']}, torch {result['torch']}, {result['threads']} thread(s); "
+             f"{result['tokens']} tokens, hidden {result['hidden']}; {result['rounds']} alternating rounds of "
+             f"{result['iters']} forward + backward each; load (1 min) {result['load_1min'][0]:.2f} before, "
+             f"{result['load_1min'][1]:.2f} after", "",
+             "| layer | fwd+bwd median (min-max), us | / ours (min-med-max over rounds) | kernels (as on CUDA) "
+             "| CPU aten ops | us per kernel |", "|---|---|---|---|---|---|"]
+    for name, c in result["cases"].items():
+        lo, med, hi = c["ratio_to_ours"]
+        lines.append(f"| {name} | {c['median_us']:,.0f} ({c['min_us']:,.0f}-{c['max_us']:,.0f}) | "
+                     f"{lo:.2f}-{med:.2f}-{hi:.2f} | {c['kernels']} | {c['cpu_ops']} | {c['us_per_kernel']:.1f} |")
+    lines += ["", "By part: kernels as on CUDA / share of the host time (dispatch-mode timer)", "",
+              "| layer | " + " | ".join(PARTS) + " |", "|---" * (1 + len(PARTS)) + "|"]
+    for name, c in result["cases"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{c['by_part'][p]} / {c['time_share_by_part'][p]:.0%}"
+                                                for p in PARTS) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None, help="write the figures as JSON")
+    args = p.parse_args(argv)
+    result = run(args.rounds, args.iters, args.tokens, args.threads)
+    from ..plan.gpus import Efficiency
+    from ..plan.work import KERNELS
+    eff = Efficiency()
+    d = derived(result, eff.host_eager_us, eff.launch_us, KERNELS[("moe", "compiled")])
+    result["derived"] = d
+    print(format_report(result))
+    print(json.dumps(d, indent=1))
+    points = sorted({round(x, 1) for run in d["runs"].values() for x in (run["low_launch_us"][1], run["high_launch_us"][1])})
+    table = calibrate_at(points)
+    result["calibrate"] = {"megatron_launch_us": [eff.launch_us, *points], "ratios": table}
+    print("\ncalibrate's estimate / published speed, launch_us of the Megatron-Core runs at "
+          + ", ".join(f"{x:g}" for x in [eff.launch_us, *points]) + " us (other runs unchanged):")
+    for name, row in table.items():
+        print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
