@@ -97,16 +97,29 @@ def _cuda_as_cpu():
     """While Megatron's layer is built and run on a CPU (restored on exit): torch.cuda's stream calls as
     no-ops (the alltoall dispatcher creates a side stream for its device-to-host copies at construction
     and enters it at its sync point; on CPU tensors those copies are no-ops already), and the current
-    CUDA device as the CPU (where Megatron allocates buffers and, in the router, moves its weight)."""
+    CUDA device as the CPU (where Megatron allocates buffers and, in the router, moves its weight); at
+    EP > 1 the all-to-all's split sizes as numpy arrays, as the dispatcher's device-to-host copy makes
+    them on a GPU (a CPU tensor it leaves as it is, which torch.distributed refuses as split sizes)."""
     current = _NoopStream()
     saved = (torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream, torch.cuda.current_device)
     torch.cuda.Stream, torch.cuda.current_stream = _NoopStream, lambda *a, **k: current
     torch.cuda.stream = lambda s: contextlib.nullcontext()
     torch.cuda.current_device = lambda: CPU
+    from megatron.core.transformer.moe import token_dispatcher
+    to_host = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_host_as_on_cuda(tensor, as_numpy=False, record_stream=False):
+        # a CPU tensor stays as it is, where the GPU path copies the split sizes into numpy arrays
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host_as_on_cuda
     try:
         yield
     finally:
         torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream, torch.cuda.current_device = saved
+        token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
 class SdpaCoreAttention(torch.nn.Module):
@@ -128,7 +141,8 @@ class SdpaCoreAttention(torch.nn.Module):
 
 
 def _megatron_parallel_state() -> None:
-    """One gloo rank and Megatron's model-parallel groups of size 1 (idempotent)."""
+    """One gloo rank and Megatron's model-parallel groups of size 1 (idempotent; a spawned EP rank has
+    initialised its own already, `_ep_rank`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     if not dist.is_initialized():
@@ -137,9 +151,38 @@ def _megatron_parallel_state() -> None:
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
 
 
+def _ep_rank(rank: int, ep: int, store_path: str, out_path: str, tokens: int) -> None:
+    """One of `ep` gloo ranks: Megatron's layer at EP `ep`, one local expert (top-1 of `ep`), counted."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, ep), rank=rank, world_size=ep)
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+    torch.manual_seed(rank)
+    _layer, step, parts = megatron_layer(ep, 1, tokens)
+    counts = count_by_part(step, parts, timing_iters=1)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(counts))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def megatron_ep_counts(ep: int, tokens: int) -> dict:
+    """The kernels by part of Megatron's layer on rank 0 of `ep` gloo processes (one local expert each):
+    what the alltoall dispatcher adds at EP > 1 (its all-to-alls, the gather of the token counts, the
+    sort of the received chunks), against the one-rank count."""
+    import tempfile
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "counts.json")
+        mp.spawn(_ep_rank, args=(ep, str(Path(tmp) / "store"), out, tokens), nprocs=ep, join=True)
+        return json.loads(Path(out).read_text())
+
+
 def megatron_layer(local_experts: int, top_k: int, tokens: int):
     """Megatron-Core's MoE TransformerLayer (local spec, Qwen3's router settings) and a closure that runs
-    one forward + backward of it on `tokens` tokens of one sequence."""
+    one forward + backward of it on `tokens` tokens of one sequence. `local_experts` is the number of
+    experts over all EP ranks: all of them local at EP 1."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -369,13 +412,14 @@ def run(rounds: int, iters: int, tokens: int, threads: int = 1) -> dict:
     for name, (experts, k) in MEGATRON_CASES.items():
         cases[name] = megatron_layer(experts, k, tokens)
     counts = {name: count_by_part(step, parts) for name, (_layer, step, parts) in cases.items()}
+    ep2 = megatron_ep_counts(2, tokens)  # before the timing: its two processes would share the cores
     load_before = os.getloadavg()
     times = time_rounds({name: step for name, (_l, step, _p) in cases.items()}, rounds, iters)
     load_after = os.getloadavg()
     ours = times[REFERENCE]
     result = {"tokens": tokens, "hidden": HIDDEN, "threads": threads, "rounds": rounds, "iters": iters,
               "load_1min": [load_before[0], load_after[0]], "cpu": _cpu_name(), "torch": torch.__version__,
-              "cases": {}}
+              "megatron_ep2": ep2, "cases": {}}
     for name, ts in times.items():
         ratios = [t / o for t, o in zip(ts, ours)]  # per round: the same moment's load for both
         result.setdefault("ratio_range", {})[name] = [min(ratios), max(ratios)]
@@ -437,10 +481,15 @@ def derived(result: dict, host_eager_us: float, launch_us: float, fused_kernels:
         seq = result["cases"].get(f"megatron_e{local}")
         absolute = [one["min_us"] * kept + kept_kernels * CUDA_LAUNCH_US + extra,
                     one["min_us"] + one["kernels"] * CUDA_LAUNCH_US + extra]
+        # the dispatcher's kernels at EP 2 beyond EP 1's, each at the one-expert layer's mean cost per kernel
+        ep_more = result["megatron_ep2"]["kernels"] - one["kernels"]
+        high_ep = [h + ep_more * r * ours_gpu / one["kernels"] for h, r in zip(high, (lo_r, med_r, hi_r))]
         out["runs"][run] = {
             "local_experts": local, "extra_expert_launch_us": extra,
             "low_us_per_layer": low, "high_us_per_layer": high,
             "low_launch_us": [x / fused_kernels for x in low], "high_launch_us": [x / fused_kernels for x in high],
+            "ep_extra_kernels": ep_more, "high_ep_us_per_layer": high_ep,
+            "high_ep_launch_us": [x / fused_kernels for x in high_ep],
             "absolute_us_per_layer": absolute, "absolute_launch_us": [x / fused_kernels for x in absolute],
             # the experts as SequentialMLP runs them (one Megatron MLP per local expert): not what the recipes run
             "sequential_us_per_layer": [r * ours_gpu for r in seq["ratio_to_ours"]] if seq else None}
@@ -484,6 +533,9 @@ def format_report(result: dict) -> str:
     for name, c in result["cases"].items():
         lines.append(f"| {name} | " + " | ".join(f"{c['by_part'][p]} / {c['time_share_by_part'][p]:.0%}"
                                                 for p in PARTS) + " |")
+    ep2 = result["megatron_ep2"]
+    lines += ["", f"megatron at EP 2 (rank 0 of two gloo processes, one local expert): {ep2['kernels']} kernels, "
+              + ", ".join(f"{p} {n}" for p, n in ep2["by_part"].items() if n)]
     return "\n".join(lines)
 
 
@@ -503,12 +555,17 @@ def main(argv=None) -> int:
     result["derived"] = d
     print(format_report(result))
     print(json.dumps(d, indent=1))
-    points = sorted({round(x, 1) for run in d["runs"].values() for x in (run["low_launch_us"][1], run["high_launch_us"][1])}
-                    | {round(x, 1) for x in d["base_launch_us"]})
-    table = calibrate_at(points)
-    result["calibrate"] = {"megatron_launch_us": [eff.launch_us, *points], "ratios": table}
-    print("\ncalibrate's estimate / published speed, launch_us of the Megatron-Core runs at "
-          + ", ".join(f"{x:g}" for x in [eff.launch_us, *points]) + " us (other runs unchanged):")
+    points = {"one figure, low": d["base_launch_us"][0], "one figure, high": d["base_launch_us"][1]}
+    for run_name, v in d["runs"].items():
+        short = run_name.split("-")[1]
+        points.update({f"{short} low": v["low_launch_us"][1], f"{short} high": v["high_launch_us"][1],
+                       f"{short} high + EP": v["high_ep_launch_us"][1]})
+    table = calibrate_at(list(points.values()))
+    result["calibrate"] = {"megatron_launch_us": {"sourced": eff.launch_us, **points}, "ratios": table}
+    print("\ncalibrate's estimate / published speed with launch_us of the Megatron-Core runs (Qwen3-235B, "
+          "Mixtral, Qwen3-30B) at each figure, medians; the other runs' figures unchanged:\n")
+    print("| run | " + " | ".join(f"{k}: {v:.1f} us" for k, v in {"sourced": eff.launch_us, **points}.items())
+          + " |\n" + "|---" * (2 + len(points)) + "|")
     for name, row in table.items():
         print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
     if args.out:
