@@ -405,7 +405,10 @@ def _spread(xs: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def run(rounds: int, iters: int, tokens: int, threads: int = 1) -> dict:
+def run(rounds: int, iters: int, tokens: int, threads: int = 1, step_blocks: int = 5) -> dict:
+    """The counts, then `step_blocks` blocks, each one run of our whole step (our_step_on_cpu) and
+    rounds / step_blocks rounds of the layers; the step over our layer in the same block is the scale
+    (`step_over_layer`)."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     cases = {"ours": our_layer(tokens), REFERENCE: our_layer(tokens, experts=8)}
@@ -414,12 +417,23 @@ def run(rounds: int, iters: int, tokens: int, threads: int = 1) -> dict:
     counts = {name: count_by_part(step, parts) for name, (_layer, step, parts) in cases.items()}
     ep2 = megatron_ep_counts(2, tokens)  # before the timing: its two processes would share the cores
     load_before = os.getloadavg()
-    times = time_rounds({name: step for name, (_l, step, _p) in cases.items()}, rounds, iters)
+    steps = {name: step for name, (_l, step, _p) in cases.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    step_over_layer, our_steps = [], []
+    per_block = max(1, -(-rounds // max(1, step_blocks)))
+    for _ in range(max(1, step_blocks)):
+        step_s = our_step_on_cpu(1)[0] if step_blocks else None
+        block = time_rounds(steps, per_block, iters, warmup=1)
+        for name, ts in block.items():
+            times[name] += ts
+        if step_s is not None:
+            our_steps.append(step_s)
+            step_over_layer.append(step_s / statistics.median(block[REFERENCE]))
     load_after = os.getloadavg()
     ours = times[REFERENCE]
-    result = {"tokens": tokens, "hidden": HIDDEN, "threads": threads, "rounds": rounds, "iters": iters,
+    result = {"tokens": tokens, "hidden": HIDDEN, "threads": threads, "rounds": len(ours), "iters": iters,
               "load_1min": [load_before[0], load_after[0]], "cpu": _cpu_name(), "torch": torch.__version__,
-              "megatron_ep2": ep2, "cases": {}}
+              "megatron_ep2": ep2, "our_step_s": our_steps, "step_over_layer": step_over_layer, "cases": {}}
     for name, ts in times.items():
         ratios = [t / o for t, o in zip(ts, ours)]  # per round: the same moment's load for both
         result.setdefault("ratio_range", {})[name] = [min(ratios), max(ratios)]
@@ -440,6 +454,40 @@ def _cpu_name() -> str:
     return "unknown"
 
 
+# ----------------------------------------------------------------------------- our whole step, for the scale
+
+# configs/moe_bench.yaml eager on one H200 (docs/BENCHMARKS.md, First GPU run): a launch-bound step, so
+# its wall time is the host's: 4 micro-batches, everything the trainer does on the host included
+H200_MOE_BENCH_STEP_S = 0.197
+# the same trainer and config at the layer's tiny width on the CPU, the accelerator path, one thread
+STEP_OVERRIDES = [f"model.hidden_size={HIDDEN}", f"model.num_attention_heads={HEADS}", "model.q_lora_rank=32",
+                  "model.kv_lora_rank=16", "model.qk_rope_head_dim=8", "model.qk_nope_head_dim=16",
+                  "model.v_head_dim=16", f"model.moe_intermediate_size={EXPERT_FFN}", "model.intermediate_size=128",
+                  "model.n_routed_experts=8", "train.seq_len=16", "train.micro_batch_size=1",
+                  "train.global_batch_size=4", "train.max_steps=14", "train.log_every=1", "train.compile=false",
+                  "train.dtype=bf16", "train.checkpoint_every=0"]
+
+
+def our_step_on_cpu(repeats: int) -> list[float]:
+    """Median step time (steps 5-14) of `repeats` runs of `python -m moe_trainer.train` on
+    configs/moe_bench.yaml at the tiny width (STEP_OVERRIDES), one thread, the accelerator path: the
+    same host work as the H200's launch-bound step (H200_MOE_BENCH_STEP_S) with the arithmetic shrunk,
+    so their ratio converts this CPU's host time into that GPU host's for this trainer's code."""
+    import subprocess
+    import tempfile
+    env = {**os.environ, "MOE_TRAINER_KERNELS": "accelerator", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    out = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            sets = [a for kv in [*STEP_OVERRIDES, f"run.out_dir={tmp}/run"] for a in ("--set", kv)]
+            subprocess.run([sys.executable, "-m", "moe_trainer.train", "--config", str(ROOT / "configs/moe_bench.yaml"),
+                            *sets], check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            recs = [json.loads(line) for line in (Path(tmp) / "run/metrics.jsonl").read_text().splitlines()]
+            steps = [r["step_time_last_s"] for r in recs if "step_time_last_s" in r]
+            out.append(statistics.median(steps[4:]))
+    return out
+
+
 # ----------------------------------------------------------------------------- the figure for a GPU
 
 # the Megatron-Core runs the planner holds to published figures (plan/published.py): whatever host figure
@@ -450,49 +498,37 @@ QWEN3_LOCAL_EXPERTS = {"Qwen3-235B-A22B": 4, "Qwen3-30B-A3B": 16}
 # the parts the recipes' fusions and graphs take off the eager path: moe_router_fusion (both), CUDA graphs
 # over the router and the dispatcher's preprocessing (235B), moe_permute_fusion (both)
 FUSED_OR_GRAPHED = ("router", "dispatch")
-# the driver's share of one kernel launch (cuLaunchKernel 3.0-3.3 us: meta-pytorch/tritonbench PR #1017),
-# which a CPU run does not pay; the rest of an eager op's host cost (dispatch, autograd) it does
-CUDA_LAUNCH_US = 3.0
 
 
 def derived(result: dict, host_eager_us: float, launch_us: float, fused_kernels: int) -> dict:
-    """Megatron's host time per MoE layer on a GPU, by the ratio: (Megatron's CPU time / ours) x our
-    GPU-measured host time per layer (host_eager_us x our layer's kernels), with its experts as TE's
-    grouped MLP runs them (the one-expert case: one module call; plus a GEMM launch at `launch_us` for
-    each further local expert's 6 GEMMs, forward and backward). Low: the router's and the dispatcher's
-    share of the time taken off (fused or under CUDA graphs); high: all of it. Each as the planner's
-    launch_us over the fused kernel count of a MoE block (`fused_kernels`). Beside it, absolute: the
-    one-expert layer's fastest round on this CPU plus the driver's launch for each kernel (CUDA_LAUNCH_US),
-    if a GPU host's core runs Python as fast as this one."""
+    """Megatron's host time per MoE layer on a GPU: (Megatron's CPU time / ours, per round) x our layer's
+    host time on the H200, two ways: `kernel_average`, host_eager_us x our layer's kernels (the step's
+    host time spread evenly over its kernels); `step_matched`, the H200's step x our layer's share of
+    the same step on this CPU (`step_over_layer`). Megatron's experts as TE's grouped MLP runs them: the
+    one-expert case (one module call) plus a GEMM launch at `launch_us` for each further local expert's 6
+    GEMMs, forward and backward. Low: the router's and the dispatcher's share of the time taken off
+    (fused or under CUDA graphs); high: all of it; high + EP: and the dispatcher's kernels at EP 2 beyond
+    EP 1's, at the layer's mean cost per kernel. Each also as the planner's launch_us over the fused
+    kernel count of a MoE block (`fused_kernels`)."""
     ours = result["cases"][REFERENCE]
-    ours_gpu = host_eager_us * ours["kernels"]
     one = result["cases"]["megatron_e1"]
     kept = 1.0 - sum(one["time_share_by_part"][p] for p in FUSED_OR_GRAPHED)
-    kept_kernels = sum(n for p, n in one["by_part"].items() if p not in FUSED_OR_GRAPHED)
-    med = one["ratio_to_ours"][1]
-    # one figure for every Megatron run, the local experts' extra launches left out: low and high
-    base = [med * ours_gpu * kept / fused_kernels, med * ours_gpu / fused_kernels]
-    out = {"ours_gpu_us_per_layer": ours_gpu, "kept_share_low": kept, "base_launch_us": base, "runs": {}}
-    for run, local in QWEN3_LOCAL_EXPERTS.items():
-        extra = 6 * (local - 1) * launch_us
-        lo_r, med_r, hi_r = one["ratio_to_ours"]
-        high = [r * ours_gpu + extra for r in (lo_r, med_r, hi_r)]
-        low = [r * ours_gpu * kept + extra for r in (lo_r, med_r, hi_r)]
-        seq = result["cases"].get(f"megatron_e{local}")
-        absolute = [one["min_us"] * kept + kept_kernels * CUDA_LAUNCH_US + extra,
-                    one["min_us"] + one["kernels"] * CUDA_LAUNCH_US + extra]
-        # the dispatcher's kernels at EP 2 beyond EP 1's, each at the one-expert layer's mean cost per kernel
-        ep_more = result["megatron_ep2"]["kernels"] - one["kernels"]
-        high_ep = [h + ep_more * r * ours_gpu / one["kernels"] for h, r in zip(high, (lo_r, med_r, hi_r))]
-        out["runs"][run] = {
-            "local_experts": local, "extra_expert_launch_us": extra,
-            "low_us_per_layer": low, "high_us_per_layer": high,
-            "low_launch_us": [x / fused_kernels for x in low], "high_launch_us": [x / fused_kernels for x in high],
-            "ep_extra_kernels": ep_more, "high_ep_us_per_layer": high_ep,
-            "high_ep_launch_us": [x / fused_kernels for x in high_ep],
-            "absolute_us_per_layer": absolute, "absolute_launch_us": [x / fused_kernels for x in absolute],
-            # the experts as SequentialMLP runs them (one Megatron MLP per local expert): not what the recipes run
-            "sequential_us_per_layer": [r * ours_gpu for r in seq["ratio_to_ours"]] if seq else None}
+    ep_more = result["megatron_ep2"]["kernels"] - one["kernels"]
+    scales = {"kernel_average": host_eager_us * ours["kernels"]}
+    if result.get("step_over_layer"):
+        scales["step_matched"] = H200_MOE_BENCH_STEP_S * 1e6 / statistics.median(result["step_over_layer"])
+    out = {"kept_share_low": kept, "ep_extra_kernels": ep_more, "our_layer_gpu_us": scales, "scales": {}}
+    ratios = one["ratio_to_ours"]  # quartiles and median
+    for scale, ours_gpu in scales.items():
+        med = ratios[1] * ours_gpu
+        by_run = {"one figure": {"low": med * kept, "high": med, "high + EP": med * (1 + ep_more / one["kernels"])}}
+        for run_name, local in QWEN3_LOCAL_EXPERTS.items():
+            extra = 6 * (local - 1) * launch_us
+            by_run[run_name] = {k: v + extra for k, v in by_run["one figure"].items()}
+        out["scales"][scale] = {
+            "megatron_layer_us_quartiles": [r * ours_gpu for r in ratios],
+            "us_per_layer": by_run,
+            "launch_us": {run: {k: v / fused_kernels for k, v in d.items()} for run, d in by_run.items()}}
     return out
 
 
@@ -539,35 +575,55 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def format_derived(result: dict) -> str:
+    d = result["derived"]
+    lines = ["", f"Our whole step on this CPU: {', '.join(f'{x:.3f}' for x in result.get('our_step_s', []))} s "
+             f"(median of steps 5-14 per run; the H200: {H200_MOE_BENCH_STEP_S} s); step / our layer per block: "
+             + ", ".join(f"{x:.1f}" for x in result.get("step_over_layer", [])),
+             f"Router + dispatch share of Megatron's one-expert layer (off in the low figures): "
+             f"{1 - d['kept_share_low']:.0%}; its dispatcher's extra kernels at EP 2: {d['ep_extra_kernels']}", "",
+             "| scale | our layer on the H200, ms | Megatron's layer, ms (quartiles) | figure | low, ms | high, ms "
+             "| high + EP, ms | as launch_us (low / high / high + EP) |", "|---" * 8 + "|"]
+    for scale, sd in d["scales"].items():
+        q = sd["megatron_layer_us_quartiles"]
+        for run, v in sd["us_per_layer"].items():
+            lu = sd["launch_us"][run]
+            lines.append(f"| {scale} | {d['our_layer_gpu_us'][scale] / 1e3:.2f} | "
+                         f"{q[0] / 1e3:.2f} / {q[1] / 1e3:.2f} / {q[2] / 1e3:.2f} | {run} | {v['low'] / 1e3:.2f} | "
+                         f"{v['high'] / 1e3:.2f} | {v['high + EP'] / 1e3:.2f} | "
+                         f"{lu['low']:.1f} / {lu['high']:.1f} / {lu['high + EP']:.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--step-blocks", type=int, default=5,
+                   help="runs of our whole step on the CPU, each followed by its share of the rounds (0: none)")
     p.add_argument("--out", default=None, help="write the figures as JSON")
     args = p.parse_args(argv)
-    result = run(args.rounds, args.iters, args.tokens, args.threads)
+    result = run(args.rounds, args.iters, args.tokens, args.threads, args.step_blocks)
     from ..plan.gpus import Efficiency
     from ..plan.work import KERNELS
     eff = Efficiency()
     d = derived(result, eff.host_eager_us, eff.launch_us, KERNELS[("moe", "compiled")])
     result["derived"] = d
     print(format_report(result))
-    print(json.dumps(d, indent=1))
-    points = {"one figure, low": d["base_launch_us"][0], "one figure, high": d["base_launch_us"][1]}
-    for run_name, v in d["runs"].items():
-        short = run_name.split("-")[1]
-        points.update({f"{short} low": v["low_launch_us"][1], f"{short} high": v["high_launch_us"][1],
-                       f"{short} high + EP": v["high_ep_launch_us"][1]})
+    print(format_derived(result))
+    points = {f"{scale.split('_')[0]}: {run.split('-')[-1] if run != 'one figure' else run}, {k}": v
+              for scale, sd in d["scales"].items() for run, kv in sd["launch_us"].items() for k, v in kv.items()}
     table = calibrate_at(list(points.values()))
     result["calibrate"] = {"megatron_launch_us": {"sourced": eff.launch_us, **points}, "ratios": table}
     print("\ncalibrate's estimate / published speed with launch_us of the Megatron-Core runs (Qwen3-235B, "
           "Mixtral, Qwen3-30B) at each figure, medians; the other runs' figures unchanged:\n")
-    print("| run | " + " | ".join(f"{k}: {v:.1f} us" for k, v in {"sourced": eff.launch_us, **points}.items())
-          + " |\n" + "|---" * (2 + len(points)) + "|")
-    for name, row in table.items():
-        print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
+    # one row per figure, one column per run (the transposed table reads better with many figures)
+    names = list(table)
+    print("| figure | launch_us | " + " | ".join(names) + " |\n" + "|---" * (2 + len(names)) + "|")
+    for i, (label, us) in enumerate({"sourced": eff.launch_us, **points}.items()):
+        print(f"| {label} | {us:.1f} | " + " | ".join(f"{table[n][i]:.2f}" for n in names) + " |")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
