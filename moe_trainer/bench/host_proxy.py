@@ -12,24 +12,30 @@ which parts the Qwen3 recipe's CUDA graphs and fusions remove.
 - Megatron-Core (megatron-core, the test extra; called as a peer, nothing copied): a TransformerLayer
   built from `get_gpt_layer_local_spec` (the modules that need neither Transformer Engine nor Apex):
   RMSNorm, GQA self-attention with QK RMSNorm and RoPE (Qwen3's), a MoELayer with the alltoall token
-  dispatcher at EP 1, a softmax top-k router in fp32 with the aux loss and forced balance (random
-  logits) as the Qwen3 recipes set them (forced balance apart: below), and SequentialMLP experts (the expert MLP it offers without
-  TE or the grouped_gemm package: one Megatron MLP per local expert). Two stand-ins, both for GPU
-  pieces a CPU cannot run: the core attention is one F.scaled_dot_product_attention call (as TE's
-  flash attention is one kernel each way; Megatron's local DotProductAttention allocates a CUDA
-  buffer), and the dispatcher's side stream for its device-to-host copies is a no-op object while the
-  layer is built and run (`_cuda_as_cpu`: the dispatcher makes one at construction).
+  dispatcher, a softmax top-k router in fp32 with the aux loss as the Qwen3 recipes set it (not their
+  forced balance: below), and SequentialMLP experts (the expert MLP it offers without TE or the
+  grouped_gemm package: one Megatron MLP per local expert), at 1, 4 and 16 local experts, and at EP 2
+  over two gloo processes (counted only). Stand-ins for what a CPU cannot run: the core attention is
+  one F.scaled_dot_product_attention call (as TE's flash attention is one kernel each way; Megatron's
+  local DotProductAttention allocates a CUDA buffer), and `_cuda_as_cpu` while the layer is built and
+  run (no-op CUDA streams, the CPU as the current device, the split sizes as numpy arrays).
 - This trainer: moe_trainer.models.deepseek_v3.DecoderLayer on the accelerator path
   (MOE_TRAINER_KERNELS=accelerator, the path CUDA runs), configs/moe_bench.yaml's MoE layer (MLA,
-  64 experts top-6, 2 shared) at the same tiny width: the layer whose eager host cost was measured on
-  an H200 (plan/gpus.py `host_eager_us`, 72 us per kernel, 166 kernels per MoE block).
+  top-6, 2 shared) at the same tiny width, with its 64 experts and with 8 (the reference: the same host
+  path, less of a CPU's grouped-GEMM loop): the layer whose eager host cost was measured on an H200
+  (plan/gpus.py `host_eager_us`, 72 us per kernel).
 
-Rounds alternate the two (A B A B ...), each timing `--iters` forward + backward passes; the report
-gives the medians, the spread over rounds, the ratio, the machine's load, the kernels by part
-(as bench.kernel_proxy counts them: views and bare allocations launch nothing; rms_norm and SDPA are
-one kernel each way, as on CUDA), and the figure derived for a GPU.
+Rounds alternate the layers (A B C ...), each timing `--iters` forward + backward passes, in
+`--step-blocks` blocks that each start with one run of our whole moe_bench step at the tiny width (the
+scale: our layer's share of the step on this CPU against the H200's step). The report gives the
+medians, the per-round ratios' quartiles, the machine's load, the kernels by part (as
+bench.kernel_proxy counts them: views and bare allocations launch nothing; rms_norm and SDPA are one
+kernel each way, as on CUDA) and the share of the host time by part, Megatron's host time per layer
+derived for a GPU host, and what `tools/plan.py calibrate` reads with it (docs/BENCHMARKS.md,
+"Megatron-Core's MoE layer on the host, by proxy").
 
-    python -m moe_trainer.bench.host_proxy [--rounds 7] [--iters 20] [--tokens 64] [--out F.json]
+    python -m moe_trainer.bench.host_proxy [--rounds 7] [--iters 20] [--tokens 16] [--step-blocks 5]
+        [--out F.json]
 """
 from __future__ import annotations
 
