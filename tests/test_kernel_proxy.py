@@ -78,3 +78,17 @@ def test_compiled_attention_is_one_extern_call_each_way_with_sdpa_gradients():
     assert c["extern_calls"] == 2 and c["fallbacks"] == 0, c
     scores = 2 * 4 * 64 * 64 * 4
     assert c["kernel_bytes"] < scores, c  # square, sum and its backward over the (2, 4, 64, 16) output only
+
+
+def test_host_proxy_splits_our_layer_by_part_into_the_proxy_count():
+    """bench/host_proxy.py's part counter (forward by module hooks, backward by the autograd node's
+    sequence number) books every kernel of our MoE layer to a part, and books as many as the kernel
+    proxy counts for the same layer at another width, token count and expert count."""
+    from moe_trainer.bench.host_proxy import count_by_part, our_layer
+    _layer, step, parts = our_layer(8, experts=8)
+    c = count_by_part(step, parts, timing_iters=1)
+    r = count("layer")
+    assert c["kernels"] == r["ops"] + r["gemm"]["calls"] + r["sdpa"]["calls"]
+    assert sum(c["by_part"].values()) == c["kernels"]
+    assert all(c["by_part"][p] > 0 for p in ("attention", "router", "dispatch", "experts", "shared"))
+    assert c["sdpa_calls"] == 2 and abs(sum(c["time_share_by_part"].values()) - 1) < 1e-9
