@@ -145,12 +145,13 @@ def test_host_launches_bound_a_small_model_and_syncs_drain_the_queue():
 
 
 def test_the_published_runs():
-    """Within +-20%: Llama 3 405B, DeepSeek-V3 671B, Mixtral 8x22B and this trainer's eager moe_1b_gpu on
-    one H200. Held where they land, outside the band (docs/PLANS.md, "Held to published runs", says why):
+    """Within +-20%: Llama 3 405B, DeepSeek-V3 671B, Mixtral 8x22B, this trainer's eager moe_1b_gpu on
+    one H200, and the cross-check Qwen3-30B-A3B since Megatron-Core's host time per kernel was measured
+    by proxy (host_megatron_us, bench/host_proxy: 1.37x at a fused launcher's 9 us). Held where they
+    land, outside the band (docs/PLANS.md, "Held to published runs", says why):
     - Qwen3-235B-A22B 1.83x: the recipe's own layout measured elsewhere reads 245 TFLOP/s without EP
       overlap and 276 with (the model: 1.20x and 1.42x of those); the recipe's median is slower still;
-    - Qwen3-30B-A3B 1.37x (a cross-check, not one of the four): the fine-grained layer inside one node
-      is optimistic without any overlap or pipeline; its FP8 recipe is no faster, so not its GEMMs;
+      its host does not bind at the measured figure (its layer's device time is longer than 30B's);
     - moe_1b_gpu compiled 1.95x: the model's device time is half the measured step and the sourced
       launch costs keep it device-bound: the missing second is not split without a profile.
     Megatron's forced balance is random router logits: Qwen3 is timed at uniform routing's imbalance.
@@ -174,9 +175,12 @@ def test_the_published_runs():
     assert 1.75 < got["Qwen3-235B-A22B"] < 1.95
     # the same recipes as NVIDIA re-measured them (Megatron-LM PR #5728): 214.3 -> 302.0 and 234.1 -> 240.5
     assert 1.2 < got["Qwen3-235B-A22B re-measured"] < 1.4
-    # the cross-check: the same fine-grained layer inside one node, no EP overlap, no pipeline
-    assert 1.25 < got["Qwen3-30B-A3B"] < 1.5
-    assert 1.2 < got["Qwen3-30B-A3B re-measured"] < 1.45
+    # the cross-check: the same fine-grained layer inside one node, no EP overlap, no pipeline; host-bound at
+    # Megatron's measured host time (a fused launcher's 9 us read 1.37 and 1.33)
+    assert 1.0 < got["Qwen3-30B-A3B"] < 1.2
+    assert 1.0 < got["Qwen3-30B-A3B re-measured"] < 1.2
+    fused = ratios(dataclasses.replace(Efficiency(), host_megatron_us=Efficiency().launch_us))
+    assert 1.25 < fused["Qwen3-30B-A3B"] < 1.5 and fused["Qwen3-235B-A22B"] == pytest.approx(got["Qwen3-235B-A22B"])
     assert 1.8 < got["moe_1b_gpu compiled"] < 2.1
     # one MoE layer alone against Megatron-LM's own H100 layer benchmark (moe_perf): the model costs it
     # slower than measured, top-2 and top-8 alike, so the whole runs' optimism is not the MoE layer's compute
@@ -184,10 +188,10 @@ def test_the_published_runs():
              for name, measured, parts in published.moe_layer_rows()}
     assert 0.78 < speed["Mixtral proxy"] < 0.95
     assert 0.6 < speed["DeepSeek proxy"] < 0.8
-    # at this trainer's measured eager host time per kernel (72 us) instead of a fused launcher's 9 us, the
-    # big-layer runs do not move and every fine-grained MoE run slows by more than a fifth: the host binds
-    # only where a layer's device time is short
-    slow = ratios(dataclasses.replace(Efficiency(), launch_us=72.0))
+    # at this trainer's measured eager host time per kernel (72 us) instead of a fused launcher's 9 us and
+    # Megatron's 41, the big-layer runs do not move and every fine-grained MoE run slows by more than a
+    # fifth: the host binds only where a layer's device time is short
+    slow = ratios(dataclasses.replace(Efficiency(), launch_us=72.0, host_megatron_us=72.0))
     for name in ("Llama 3 405B, 8K", "DeepSeek-V3 671B", "Mixtral 8x22B", "moe_1b_gpu eager"):
         assert slow[name] == pytest.approx(got[name], rel=0.01)
     for name in ("Qwen3-235B-A22B", "Qwen3-30B-A3B", "moe_1b_gpu compiled"):

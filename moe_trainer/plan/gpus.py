@@ -66,6 +66,9 @@ class Efficiency:
     fused_glue: float = 0.57  # a fused framework's (compiled / Megatron-TE) glue bytes per eager byte
     host_eager_us: float = 72.0  # this trainer's host time per launched kernel, eager (all host work included)
     launch_us: float = 9.0  # host time per kernel launched from compiled or fused code (no CUDA graph)
+    # Megatron-Core's eager module path over TE's fused kernels: host time per fused kernel of a block
+    # (plus TE's grouped GEMM's launch per further local expert at launch_us)
+    host_megatron_us: float = 41.0
     graph_us: float = 40.0  # host time per call of a compiled graph (guards, wrapper): forward and backward
     sync_us: float = 15.0  # one device-to-host read of a small tensor: its copy and the stream drain's latency
     # an expert all-to-all's fixed time per call, whatever its bytes: every row transfer pays it, and so does
@@ -111,6 +114,13 @@ EFFICIENCY_SOURCES = {
     "launch_us": "inductor's per-kernel launch (CachingAutotuner.run): 6.8 us with no arguments, 9.1 us with 19, of "
                  "which cuLaunchKernel 3.0-3.3 us (meta-pytorch/tritonbench PR #1017, 2026-04, GB200); a fused "
                  "framework's launches counted alike; CUDA graphs replay a layer's kernels for one launch",
+    "host_megatron_us": "measured here by proxy: bench/host_proxy (scripts/bench_host.sh, docs/BENCHMARKS.md, "
+                        "issue #44): Megatron-Core 0.16.1's eager MoE layer forward + backward costs 0.74x this "
+                        "trainer's on the host (0.69-0.75, seven runs on one CPU thread at tiny shapes), times "
+                        "this trainer's layer on the H200 (72 us x 158 kernels, 11.4 ms; 11.7 ms step-matched), "
+                        "less its router's and dispatcher's share (fused in the Qwen3 recipes, moe_router_fusion and "
+                        "moe_permute_fusion): 5.7 ms per MoE layer over the planner's 139 fused kernels, 40.8-42.2 "
+                        "us; TE's grouped GEMM launches a GEMM per further local expert (6 per layer, at launch_us)",
     "graph_us": "one call of an inductor-compiled graph end to end, guards and wrapper included: 33-44 us "
                 "(meta-pytorch/tritonbench PR #1016/#1017); a compiled block runs two (forward, backward)",
     "sync_us": "an estimate, not a measurement: a small cudaMemcpy device-to-host plus the stream's drain, "

@@ -241,7 +241,7 @@ MOE_LAYER_CHECKS = {
 MOE_LAYER_SOURCE = ("NVIDIA/Megatron-LM tests/functional_tests/test_cases/common/moe_perf/baseline.json, cases "
                     "mixtral_hybridep_tp1ep8_bf16 and deepseek_hybridep_tp1ep8_bf16 (H100)")
 # Megatron's fused MoE layer as the published recipes run it
-MEGATRON_TE = Mechanisms(fused_glue=True, host="fused", grad_accum_fusion=True, node_dedup=True)
+MEGATRON_TE = Mechanisms(fused_glue=True, host="megatron", grad_accum_fusion=True, node_dedup=True)
 
 
 def moe_layer_setup(name: str, ep: int = 8, tokens: int = 4096) -> Setup:

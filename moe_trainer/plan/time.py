@@ -39,7 +39,7 @@ from .work import (PARAM_TENSORS_PER_BLOCK, Gemm, Setup, block_kernels, block_wo
                    uniform_imbalance)
 
 SCHEDULES = ("1f1b", "dualpipe")
-HOSTS = ("eager", "compiled", "fused", "graphs", "inline")
+HOSTS = ("eager", "compiled", "fused", "megatron", "graphs", "inline")
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,9 @@ class Mechanisms:
     fp8_dispatch: bool = False  # the dispatch carries FP8 activations (1 byte), the combine BF16
     # how the host launches a block's kernels: eager (this trainer's eager path, the kernel proxy's eager
     # count at Efficiency.host_eager_us each), compiled (train.compile: inductor's kernels at launch_us),
-    # fused (another framework's fused kernels, inductor's count at launch_us), graphs (CUDA graphs),
+    # fused (another framework's fused kernels, inductor's count at launch_us), megatron (Megatron-Core's
+    # eager modules over TE's fused kernels: inductor's count at host_megatron_us, and TE's grouped GEMM's
+    # launch per further local expert at launch_us), graphs (CUDA graphs),
     # inline (a CPU rank: the thread that dispatches each eager kernel runs it, so host and device add)
     host: str = "eager"
     a2a_sync: bool = True  # at ep > 1 the host reads the tokens-per-expert counts once per MoE block
@@ -248,11 +250,16 @@ def host_seconds(s: Setup, stage: int, eff: Efficiency, mech: Mechanisms) -> dic
     one block, and the device-to-host reads (one per MoE block and forward pass at ep > 1: the
     tokens-per-expert counts the all-to-all's split sizes and the grouped GEMM need on the host)."""
     per = {"eager": eff.host_eager_us, "inline": eff.host_eager_us, "compiled": eff.launch_us,
-           "fused": eff.launch_us, "graphs": 0.0}[mech.host] * 1e-6
+           "fused": eff.launch_us, "megatron": eff.host_megatron_us, "graphs": 0.0}[mech.host] * 1e-6
+    # TE's grouped GEMM ("multi-stream + cuBLAS") launches each GEMM per local expert: fc1 and fc2, forward,
+    # input and weight gradients, for every local expert beyond the one the fused count holds
+    per_expert = 6 * (max(s.ffn.n_routed_experts // s.ep, 1) - 1) * eff.launch_us * 1e-6 \
+        if mech.host == "megatron" and s.ffn.n_routed_experts else 0.0
     # BF16_Optimizer's accumulation hooks run eager whatever the layers do: two kernels per parameter
     hooks = 2 * PARAM_TENSORS_PER_BLOCK * eff.host_eager_us * 1e-6 if _hook_accumulation(s, mech) else 0.0
     graphs = 2 * eff.graph_us * 1e-6 if mech.host == "compiled" else 0.0
-    blocks = {key: (n, block_kernels(s, layer, mech.host not in ("eager", "inline")) * per + hooks + graphs)
+    blocks = {key: (n, block_kernels(s, layer, mech.host not in ("eager", "inline")) * per + hooks + graphs
+                    + (per_expert if key[0] else 0.0))
               for key, (layer, n) in _stage_kinds(s, stage).items()}
     moe = sum(n for (is_moe, _), (n, _t) in blocks.items() if is_moe)
     syncs = moe * _passes(s.recompute) if s.ep > 1 and mech.a2a_sync and mech.host != "graphs" else 0.0
