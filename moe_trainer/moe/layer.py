@@ -68,8 +68,18 @@ class MoE(nn.Module):
                 mark_unbacked(d.gate, 0)
         if d.weights is None:
             return self.experts(d.x, d.counts, d.gate)
-        # the same expert maths with the weights of this rank's physical slots (a placement plan)
-        return torch.func.functional_call(self.experts, d.weights, (d.x, d.counts, d.gate))
+        if d.own_rows is None:
+            # the same expert maths with the weights of this rank's physical slots (a placement plan)
+            return torch.func.functional_call(self.experts, d.weights, (d.x, d.counts, d.gate))
+        # slot-owned experts with copies: two grouped calls, the owned slots' rows with the parameters as
+        # they are (no gather; leaf weights, so their gradients may be held back, kernels/wgrad.py), the
+        # copies' rows with the copies (always called, if with no row: the copies' gradients go back to
+        # their owners on every rank)
+        n, s0 = d.own_rows, self.experts.n_local
+        gate = (d.gate[:n], d.gate[n:]) if d.gate is not None else (None, None)
+        own = self.experts(d.x[:n], d.counts[:s0], gate[0])
+        copies = torch.func.functional_call(self.experts, d.weights, (d.x[n:], d.counts[s0:], gate[1]))
+        return torch.cat([own, copies])
 
     def _aux_loss(self, routing, batch: int) -> Optional[torch.Tensor]:
         aux = None

@@ -117,8 +117,14 @@ def owned_placement(row: list[int], ep: int, rank: int, replicas: Optional[list[
                               list(range(ep)), owned=True)
     check_replicas(row, replicas, ep)
     send_index, send_splits, recv_splits, slot_index = _cache_tables(row, replicas, ep, rank)
+    s0 = n // ep
+    filled = [j for j in range(per_rank - s0) if replicas[rank * (per_rank - s0) + j] >= 0]
+    copy_slot = [0] * len(filled)  # received copy -> its redundant slot
+    for j in filled:
+        copy_slot[int(slot_index[s0 + j]) - s0] = j
     return LayerPlacement(torch.tensor(slots, dtype=torch.int64), per_rank, rank, cand, count, send_index,
-                          send_splits, recv_splits, slot_index, list(range(ep)), owned=True, cached=True)
+                          send_splits, recv_splits, slot_index, list(range(ep)), owned=True, cached=True,
+                          copy_slot=torch.tensor(copy_slot, dtype=torch.int64))
 
 
 def copy_slots(load: torch.Tensor, row: list[int], ep: int, r: int) -> list[int]:
@@ -291,8 +297,8 @@ class SlotExperts:
             if d.placement is None or not d.placement.cached:
                 continue
             cache = d.cache
-            d.refresh_cache()
-            bad += int((cache != d.cache).any(1).sum())  # (rows, width): a rank may hold no copy
+            d.refresh_cache()  # (r, 2H, d), (r, d, H) in slot order: a slot differs if either weight does
+            bad += int(((cache[0] != d.cache[0]).flatten(1).any(1) | (cache[1] != d.cache[1]).flatten(1).any(1)).sum())
         return bad
 
     @torch.no_grad()
