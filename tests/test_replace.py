@@ -53,7 +53,7 @@ def test_copies_refresh_tables_pair_up_and_copy_slots_balance():
     row, ep = [5, 1, 7, 0, 2, 4, 3, 6], 4  # owned slots: rank r holds row[2r:2r+2]
     copies = [7, -1, 5, 1, 3, -1, 0, 2]  # one or two copies a rank, -1 empty
     tables = [sl._cache_tables(row, copies, ep, r) for r in range(ep)]
-    for r, (_, _, recv_splits, slot_index) in enumerate(tables):
+    for r, (_, _, recv_splits, slot_index, copy_slot) in enumerate(tables):
         got = []
         for src in range(ep):
             send_index, send_splits = tables[src][0], tables[src][1]
@@ -65,6 +65,7 @@ def test_copies_refresh_tables_pair_up_and_copy_slots_balance():
         owned = row[r * 2:r * 2 + 2]
         slots = owned + [(owned + got)[slot_index[2 + j]] if e >= 0 else -1 for j, e in enumerate(mine)]
         assert slots[2:] == mine and slots[:2] == owned
+        assert [mine[j] for j in copy_slot.tolist()] == got  # the slot each received copy fills
     with pytest.raises(ValueError, match="distinct expert ids of other ranks"):
         sl.check_replicas(row, [5, -1, 5, 1, 3, -1, 0, 2], ep)  # rank 0 copying its own expert 5
     load = torch.tensor([100.0, 1, 1, 1, 1, 1, 1, 1])  # expert 0 (on rank 1) takes almost every token

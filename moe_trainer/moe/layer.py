@@ -74,11 +74,12 @@ class MoE(nn.Module):
         # slot-owned experts with copies: two grouped calls, the owned slots' rows with the parameters as
         # they are (no gather; leaf weights, so their gradients may be held back, kernels/wgrad.py), the
         # copies' rows with the copies (always called, if with no row: the copies' gradients go back to
-        # their owners on every rank)
-        n, s0 = d.own_rows, self.experts.n_local
-        gate = (d.gate[:n], d.gate[n:]) if d.gate is not None else (None, None)
-        own = self.experts(d.x[:n], d.counts[:s0], gate[0])
-        copies = torch.func.functional_call(self.experts, d.weights, (d.x[n:], d.counts[s0:], gate[1]))
+        # their owners on every rank); split, not sliced (a slice's backward makes a zero tensor of the whole size)
+        sizes, s0 = [d.own_rows, d.x.shape[0] - d.own_rows], self.experts.n_local
+        x, counts = d.x.split(sizes), d.counts.split([s0, d.counts.shape[0] - s0])
+        gate = d.gate.split(sizes) if d.gate is not None else (None, None)
+        own = self.experts(x[0], counts[0], gate[0])
+        copies = torch.func.functional_call(self.experts, d.weights, (x[1], counts[1], gate[1]))
         return torch.cat([own, copies])
 
     def _aux_loss(self, routing, batch: int) -> Optional[torch.Tensor]:

@@ -311,8 +311,8 @@ class AllToAllDispatcher:
         meta = out.pop(0) if meta else None
         if self._fetched() is not None:
             return received, meta, self._slot_weights(out[0])
-        if self._holds_copies():  # the copies' weights; the owned slots' are
-            return received, meta, self._copies()                    # the parameters (MoE._run_experts)
+        if self._holds_copies():  # the copies' weights only: the owned slots' are the parameters (MoE._run_experts)
+            return received, meta, self._copies()
         return received, meta, None
 
     def refresh_cache(self) -> int:
@@ -394,7 +394,7 @@ class AllToAllDispatcher:
         hit.scatter_(1, dest, True)
         hit = hit[:, :ep]
         # rows (tokens) and (token, expert) pairs for each rank, exchanged in one all-to-all of 2 * ep ints
-        # (with copies, a third column: the pairs for the owned slots, _owned_of)
+        # (3 * ep with copies: the pairs for the owned slots too, as _owned_of's)
         pairs_to = [count_keys(dest, ep + 1)[:ep]]
         if self._holds_copies():  # local slot < S0: an owned slot
             owned = (idx >= 0) & (idx % n_local < self.experts.n_local)
