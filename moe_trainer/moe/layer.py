@@ -4,7 +4,9 @@ The dispatcher is swapped (local vs all-to-all) by parallel/expert.py; the
 experts module then holds only this rank's experts. Under an expert placement
 plan the dispatcher also hands over the weights of this rank's physical slots
 (replicas of experts whose weights live elsewhere); the experts module then
-computes with those instead of its own parameters. Counters for the bias
+computes with those instead of its own parameters. With slot-owned experts and
+redundant copies it hands over the copies' weights only: the owned slots' rows
+run against the parameters, the copies' against the copies (two calls). Counters for the bias
 update and metrics are kept under no_grad; the bias itself moves once per
 optimizer step, outside forward.
 """
