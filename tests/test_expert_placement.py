@@ -161,9 +161,29 @@ def _placed_worker(rank, world, port, dedup, force, results):
     got = {k: (counter.sent.get(k, 0), counter.received.get(k, 0)) for k in want}
     if got != want:
         errors.append(f"weight bytes: counted {got}, expected {want}")
+    errors += [f"copies: {e}" for e in _copies_errors(rank, world, force, dedup, xs, ref, ref_out, x_ref)]
     results[rank] = {"errors": errors, "plain": loads_plain, "placed": loads_placed,
                      "fetched": sum(placement.recv_splits)}
     dist.destroy_process_group()
+
+
+def _copies_errors(rank, world, force, dedup, xs, ref, ref_out, x_ref) -> list[str]:
+    """Slot-owned experts at home with 2 redundant slots a rank (parallel.replace_every): rank 0's hold
+    nothing and expert 4, rank 1's experts 2 and 1 (received in the other order); each rank's tokens for
+    them take its copies. The owned and the copy slots run as two kernel calls (MoE._run_experts) on the
+    CPU kernels, on the accelerator's with dedup; the copies' gradients go home (_CopyRows)."""
+    from moe_trainer import kernels
+    from moe_trainer.parallel import slots
+    with kernels.using("accelerator" if dedup else "cpu"):
+        layer = _ep_layer(rank, world, slots.owned_placement(slots.home_row(E), world, rank, [-1, 4, 2, 1]),
+                          force, CommCounter(), dedup)
+    layer.dispatcher.refresh_cache()
+    x = xs[rank].clone().requires_grad_()
+    out, _ = layer(x)
+    out.pow(2).sum().backward()
+    copied = layer.dispatcher.counter.sent.get("expert_copies_grad", 0)
+    return ep_layer_parity_errors(layer, ref, out, ref_out, x, x_ref, rank, world, 3, E) + (
+        [] if copied == [1, 2][rank] * 3 * H * D * 4 else [f"copies' gradient bytes sent: {copied}"])
 
 
 @pytest.mark.parametrize("dedup", [False, True])

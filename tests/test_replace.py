@@ -53,7 +53,7 @@ def test_copies_refresh_tables_pair_up_and_copy_slots_balance():
     row, ep = [5, 1, 7, 0, 2, 4, 3, 6], 4  # owned slots: rank r holds row[2r:2r+2]
     copies = [7, -1, 5, 1, 3, -1, 0, 2]  # one or two copies a rank, -1 empty
     tables = [sl._cache_tables(row, copies, ep, r) for r in range(ep)]
-    for r, (_, _, recv_splits, slot_index) in enumerate(tables):
+    for r, (_, _, recv_splits, slot_index, copy_slot) in enumerate(tables):
         got = []
         for src in range(ep):
             send_index, send_splits = tables[src][0], tables[src][1]
@@ -65,6 +65,7 @@ def test_copies_refresh_tables_pair_up_and_copy_slots_balance():
         owned = row[r * 2:r * 2 + 2]
         slots = owned + [(owned + got)[slot_index[2 + j]] if e >= 0 else -1 for j, e in enumerate(mine)]
         assert slots[2:] == mine and slots[:2] == owned
+        assert [mine[j] for j in copy_slot.tolist()] == got  # the slot each received copy fills
     with pytest.raises(ValueError, match="distinct expert ids of other ranks"):
         sl.check_replicas(row, [5, -1, 5, 1, 3, -1, 0, 2], ep)  # rank 0 copying its own expert 5
     load = torch.tensor([100.0, 1, 1, 1, 1, 1, 1, 1])  # expert 0 (on rank 1) takes almost every token
@@ -75,6 +76,59 @@ def test_copies_refresh_tables_pair_up_and_copy_slots_balance():
     before, after = sl.rank_loads(load, home, ep), sl.rank_loads(load, home, ep, filled)
     assert float(after.sum()) == pytest.approx(float(before.sum()))
     assert float(after.max()) < float(before.max()) / 2  # expert 0's tokens over 3 or more ranks
+
+
+@pytest.mark.parametrize("path", ["cpu", "cpu-grouped", "cpu-bf16", "accelerator"])
+def test_owned_slots_and_copies_as_two_calls_equal_the_gathered_slots(path, monkeypatch):
+    """The routed experts with copies (Dispatched.own_rows): the owned slots' rows against the parameters
+    and the copies' rows against the copies equal one call over all slots' weights gathered by slot (what
+    ran before), outputs and every gradient, on each expert kernel path (fp32: the threaded C++ and the
+    grouped CPU kernels; bf16: the padded one; the accelerator's GroupedExperts). An owned and a copy
+    slot are empty, a copy is an owned expert's (its gradient reaches that owned row twice), and the
+    owned weights' gradients are held back (kernels/wgrad.py): leaves, made later; the copies' at once."""
+    import torch
+    from moe_trainer import kernels
+    from moe_trainer.kernels import wgrad
+    from moe_trainer.kernels.cpu import experts as cpu_experts
+    from moe_trainer.moe.dispatcher import Dispatched
+    from moe_trainer.moe.layer import MoE
+    if path == "cpu-grouped":
+        monkeypatch.setattr(cpu_experts, "threaded_cpu_ops", lambda *a: None)
+    dtype = torch.bfloat16 if path == "cpu-bf16" else torch.float32
+    with kernels.using(path.split("-")[0]):
+        moe = MoE(16, 3, 1, 16, 0, 1, 1, False, 1.0).to(dtype)  # S0 = 3 owned slots, r = 2 copies
+    gen = torch.Generator().manual_seed(0)
+    counts = [4, 0, 5, 3, 0]  # owned slot 1 and copy slot 1 empty
+    x, gate, dy = (torch.randn(s, generator=gen).to(dtype) for s in ((12, 16), (12,), (12, 16)))
+    with torch.no_grad():
+        for w in moe.experts.parameters():
+            w.copy_(torch.randn(w.shape, generator=gen) * 0.3)
+
+    def run(split: bool):
+        w1, w2 = moe.experts.gate_up_proj, moe.experts.down_proj
+        leaves = [t.detach().requires_grad_() for t in (x, gate)]
+        for w in (w1, w2):
+            w.grad = None
+        # copy slot 0 holds owned expert 2, copy slot 1 is empty (zeros, as refresh_cache leaves it)
+        copies = [torch.cat([w[2:3], torch.zeros_like(w[:1])]) for w in (w1, w2)]
+        with wgrad.held_back(split) as queue:
+            if split:
+                d = Dispatched(leaves[0], leaves[1], torch.tensor(counts), None,
+                               weights={"gate_up_proj": copies[0], "down_proj": copies[1]}, own_rows=9)
+                y = moe._run_experts(d)
+            else:
+                gathered = {"gate_up_proj": torch.cat([w1, copies[0]]), "down_proj": torch.cat([w2, copies[1]])}
+                y = torch.func.functional_call(moe.experts, gathered, (leaves[0], torch.tensor(counts), leaves[1]))
+            y.backward(dy)
+        if split:  # only the owned call's weights, the parameters, are held back
+            assert len(queue) == 1 and queue[0][0] == (w1, w2)
+            for w, g in wgrad.weight_grads(queue):
+                w.grad += g
+        return [y] + [t.grad for t in leaves] + [w1.grad, w2.grad]
+
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    for name, a, b in zip(("y", "x.grad", "gate.grad", "gate_up_proj.grad", "down_proj.grad"), run(True), run(False)):
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, name=name: f"{path} {name}: {m}")
 
 
 @pytest.mark.parametrize("sets, needle", [

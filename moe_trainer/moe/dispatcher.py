@@ -28,6 +28,9 @@ class Dispatched:
     # the experts' parameters for these rows ({"gate_up_proj", "down_proj"} of the local slots) when
     # they are not the experts module's own (a placement plan's replicas); None = the module's own
     weights: Optional[dict] = None
+    # slot-owned experts with copies: the first own_rows rows are the owned slots' (the module's own
+    # parameters compute them), the rest the redundant slots' (`weights` holds the copies' only)
+    own_rows: Optional[int] = None
 
 
 def sort_by_key(keys: torch.Tensor, n_keys: int, backend=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,9 @@ The dispatcher is swapped (local vs all-to-all) by parallel/expert.py; the
 experts module then holds only this rank's experts. Under an expert placement
 plan the dispatcher also hands over the weights of this rank's physical slots
 (replicas of experts whose weights live elsewhere); the experts module then
-computes with those instead of its own parameters. Counters for the bias
+computes with those instead of its own parameters. With slot-owned experts and
+redundant copies it hands over the copies' weights only: the owned slots' rows
+run against the parameters, the copies' against the copies (two calls). Counters for the bias
 update and metrics are kept under no_grad; the bias itself moves once per
 optimizer step, outside forward.
 """
@@ -68,8 +70,19 @@ class MoE(nn.Module):
                 mark_unbacked(d.gate, 0)
         if d.weights is None:
             return self.experts(d.x, d.counts, d.gate)
-        # the same expert maths with the weights of this rank's physical slots (a placement plan)
-        return torch.func.functional_call(self.experts, d.weights, (d.x, d.counts, d.gate))
+        if d.own_rows is None:
+            # the same expert maths with the weights of this rank's physical slots (a placement plan)
+            return torch.func.functional_call(self.experts, d.weights, (d.x, d.counts, d.gate))
+        # slot-owned experts with copies: two grouped calls, the owned slots' rows with the parameters as
+        # they are (no gather; leaf weights, so their gradients may be held back, kernels/wgrad.py), the
+        # copies' rows with the copies (always called, if with no row: the copies' gradients go back to
+        # their owners on every rank); split, not sliced (a slice's backward makes a zero tensor of the whole size)
+        sizes, s0 = [d.own_rows, d.x.shape[0] - d.own_rows], self.experts.n_local
+        x, counts = d.x.split(sizes), d.counts.split([s0, d.counts.shape[0] - s0])
+        gate = d.gate.split(sizes) if d.gate is not None else (None, None)
+        own = self.experts(x[0], counts[0], gate[0])
+        copies = torch.func.functional_call(self.experts, d.weights, (x[1], counts[1], gate[1]))
+        return torch.cat([own, copies])
 
     def _aux_loss(self, routing, batch: int) -> Optional[torch.Tensor]:
         aux = None

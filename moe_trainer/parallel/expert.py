@@ -39,7 +39,13 @@ slots (`parallel.redundant_slots`) hold copies of other ranks' experts: their
 weights are a cache refreshed once per optimizer step (refresh_cache, one
 all-to-all of weight rows), and each backward sends the copies' gradients to
 the owners (_CopyRows), so an expert has one set of parameters and optimizer
-state however many copies route tokens.
+state however many copies route tokens. A rank's slots are its S0 owned slots
+(parameter rows 0..S0-1, in order) then its r redundant ones, and rows arrive
+sorted by slot, so the owned slots' rows come first: the experts run as two
+kernel calls (MoE._run_experts), those rows against the parameters and the rest
+against the cache (kept in slot order), both as they are, nothing gathered per
+micro-batch. The owned rows' number is read on the host with the split sizes,
+in the same copy (_owned_of).
 Token rows, dedup metadata and expert weights travel as ONE autograd node
 (`_AllToAllGroup`), so backward enters the collectives in the same order on
 every rank.
@@ -131,23 +137,26 @@ class _DedupCtx:
 
 class _CopyRows(torch.autograd.Function):
     """The redundant slots' copies as a function of their owners' weights: forward returns the cache (the
-    owners' rows as of the last refresh, which is every optimizer step), backward sends each copy's
-    gradient to its owner, where it is summed into the owned row (one all-to-all over the EP group, the
-    refresh's reversed). Every rank of the group makes this node in the same place of the same layer, so
-    backward (reverse creation order) enters the collective in the same order everywhere."""
+    owners' rows as of the last refresh, which is every optimizer step: (r, 2H, d) and (r, d, H) in slot
+    order, as they are, no copy), backward sends each copy's gradient to its owner, where it is summed into
+    the owned row (one all-to-all over the EP group, the refresh's reversed; an empty slot's gradient, zero,
+    stays here). Every rank of the group makes this node in the same place of the same layer, so backward
+    (reverse creation order) enters the collective in the same order everywhere."""
 
     @staticmethod
-    def forward(ctx, w1, w2, cache, p: LayerPlacement, group, counter):
+    def forward(ctx, w1, w2, c1, c2, p: LayerPlacement, group, counter):
         ctx.p, ctx.group, ctx.counter, ctx.shapes = p, group, counter, (w1.shape, w2.shape)
-        return cache.clone()
+        return c1.view_as(c1), c2.view_as(c2)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, g1, g2):
         p, (s1, s2) = ctx.p, ctx.shapes
+        grad = torch.cat([g1[p.copy_slot].flatten(1), g2[p.copy_slot].flatten(1)], 1)  # received order
         back = _exchange(grad, p.send_splits, p.recv_splits, ctx.group, ctx.counter, "expert_copies_grad")
-        rows = grad.new_zeros((s1[0], grad.shape[1])).index_add_(0, p.send_index, back)
-        split = s1[1:].numel()
-        return rows[:, :split].reshape(s1), rows[:, split:].reshape(s2), None, None, None, None
+        split = s1[1:].numel()  # each weight's gradient contiguous, as autograd accumulates it
+        d1 = grad.new_zeros(s1).view(s1[0], -1).index_add_(0, p.send_index, back[:, :split]).view(s1)
+        d2 = grad.new_zeros(s2).view(s2[0], -1).index_add_(0, p.send_index, back[:, split:]).view(s2)
+        return d1, d2, None, None, None, None, None
 
 
 class AllToAllDispatcher:
@@ -160,7 +169,8 @@ class AllToAllDispatcher:
                  placement: Optional[LayerPlacement] = None, experts: Optional[Experts] = None):
         self.n_experts, self.ep, self.group = n_experts, ep, group
         self.placement, self.experts = placement, experts
-        self.cache: Optional[torch.Tensor] = None  # redundant slots' copies (slot-owned experts), refresh_cache
+        # redundant slots' copies (slot-owned experts): (r, 2H, d), (r, d, H) in slot order, refresh_cache
+        self.cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.capacity_factor = capacity_factor
         self.counter = counter
         self.dedup = dedup
@@ -210,7 +220,7 @@ class AllToAllDispatcher:
         t0 = self._mark()
         all_to_all_single(recv, counts, group=self.group)
         send_counts, recv = counts.view(self.ep, self.n_local), recv.view(self.ep, self.n_local)
-        in_splits, out_splits = self._splits(send_counts.sum(1), recv.sum(1))
+        in_splits, out_splits, *own = self._splits(send_counts.sum(1), recv.sum(1), *self._owned_of(recv))
         self._time("dispatch_counts", t0)
         # 2. send token copies (rows are destination-sorted, so each rank's rows are contiguous);
         # gathers whose backward is a gather too (GatherRows), not an accumulating scatter
@@ -229,7 +239,7 @@ class AllToAllDispatcher:
             unsort = inverse_permutation(regroup)
             ctx = _A2ACtx(token_of, carried[0], in_splits, out_splits, unsort, n, regroup, by_row, k)
             return Dispatched(GatherRows.apply(received, regroup, unsort, 1), None, recv.sum(0), ctx,
-                              dropped, load=sum(out_splits), weights=weights)
+                              dropped, load=sum(out_splits), weights=weights, own_rows=self._own_rows(own))
         return self._outbound(GatherRows.apply(x, token_of, by_row, k), out_splits, in_splits, None, complete,
                               (gate,), dropped, sum(out_splits))
 
@@ -248,6 +258,21 @@ class AllToAllDispatcher:
             for size in flat:
                 torch._check_is_size(size)
         return [flat[i * ep:(i + 1) * ep] for i in range(len(per_rank))]
+
+    def _owned_of(self, per_slot: torch.Tensor) -> list[torch.Tensor]:
+        """[(ep,) rows of this rank's owned slots in each rank's column of per_slot (ep, S)] with copies
+        (slot-owned experts), else []: read on the host with the split sizes (_splits), in the same copy."""
+        return [per_slot[:, :self.experts.n_local].sum(1)] if self._holds_copies() else []
+
+    def _holds_copies(self) -> bool:
+        """Slot-owned experts with redundant slots (the layer's copies are placed)."""
+        return self.placement is not None and self.placement.cached
+
+    @staticmethod
+    def _own_rows(own: list[list[int]]) -> Optional[int]:
+        """The rows of the owned slots (the first ones of the slot-sorted rows), from _owned_of's host
+        split sizes; None without copies."""
+        return sum(own[0]) if own else None
 
     def _route(self, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Destination-sorted order of the kept routed copies, rows per destination (expert, or
@@ -286,28 +311,36 @@ class AllToAllDispatcher:
         meta = out.pop(0) if meta else None
         if self._fetched() is not None:
             return received, meta, self._slot_weights(out[0])
-        if self.placement is not None and self.placement.cached:
-            return received, meta, self._slot_weights(self._copies())
+        if self._holds_copies():  # the copies' weights only: the owned slots' are the parameters (MoE._run_experts)
+            return received, meta, self._copies()
         return received, meta, None
 
     def refresh_cache(self) -> int:
         """The redundant slots' copies made their owners' weights now (slot-owned experts with copies, once
         per optimizer step and after a move): one all-to-all of weight rows. Returns the bytes sent."""
-        p = self.placement.on(self.experts.gate_up_proj.device)
+        w1, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        p = self.placement.on(w1.device)
         with torch.no_grad():
             rows = self._weight_rows()
-            self.cache = _exchange(rows, p.recv_splits, p.send_splits, self.group, self.counter, "expert_copies")
+            got = _exchange(rows, p.recv_splits, p.send_splits, self.group, self.counter, "expert_copies")
+            r, split = p.slots_per_rank - w1.shape[0], w1[0].numel()
+            # in slot order, each weight contiguous (as the kernels take parameters); an empty slot holds zeros
+            c1, c2 = w1.new_zeros((r,) + tuple(w1.shape[1:])), w2.new_zeros((r,) + tuple(w2.shape[1:]))
+            c1.view(r, -1).index_copy_(0, p.copy_slot, got[:, :split])
+            c2.view(r, -1).index_copy_(0, p.copy_slot, got[:, split:])
+            self.cache = (c1, c2)
         return rows.numel() * rows.element_size()
 
-    def _copies(self) -> torch.Tensor:
-        """This rank's copies (received rows) for the forward: no exchange; backward sends their
-        gradients to the owners (_CopyRows)."""
+    def _copies(self) -> dict[str, torch.Tensor]:
+        """The weights of this rank's r redundant slots for the forward, in slot order: the cache itself, no
+        exchange and no copy; backward sends their gradients to the owners (_CopyRows)."""
         if self.cache is None:
             raise RuntimeError("the redundant slots' copies were not refreshed after the placement changed "
                                "(SlotExperts.refresh)")
-        p = self.placement.on(self.cache.device)
-        return _CopyRows.apply(self.experts.gate_up_proj, self.experts.down_proj, self.cache, p, self.group,
-                               self.counter)
+        p = self.placement.on(self.cache[0].device)
+        c1, c2 = _CopyRows.apply(self.experts.gate_up_proj, self.experts.down_proj, *self.cache, p, self.group,
+                                 self.counter)
+        return {"gate_up_proj": c1, "down_proj": c2}
 
     def _weight_rows(self) -> torch.Tensor:
         """(sent experts, 3 * H * d): this rank's experts that other ranks' slots need, destination-major."""
@@ -361,11 +394,16 @@ class AllToAllDispatcher:
         hit.scatter_(1, dest, True)
         hit = hit[:, :ep]
         # rows (tokens) and (token, expert) pairs for each rank, exchanged in one all-to-all of 2 * ep ints
-        send = torch.stack([hit.sum(0), count_keys(dest, ep + 1)[:ep]], 1)  # (ep, 2)
+        # (3 * ep with copies: the pairs for the owned slots too, as _owned_of's)
+        pairs_to = [count_keys(dest, ep + 1)[:ep]]
+        if self._holds_copies():  # local slot < S0: an owned slot
+            owned = (idx >= 0) & (idx % n_local < self.experts.n_local)
+            pairs_to.append(count_keys(torch.where(owned, dest, torch.full_like(dest, ep)), ep + 1)[:ep])
+        send = torch.stack([hit.sum(0)] + pairs_to, 1)  # (ep, 2 or 3)
         recv = torch.empty_like(send)
         t0 = self._mark()
         all_to_all_single(recv, send, group=self.group)
-        in_splits, out_splits, recv_pairs = self._splits(send[:, 0], recv[:, 0], recv[:, 1])
+        in_splits, out_splits, recv_pairs, *own = self._splits(send[:, 0], recv[:, 0], *recv[:, 1:].t())
         self._time("dispatch_counts", t0)
         # the sent rows, grouped by destination rank, token order within: the first sum(in_splits)
         # hits in (rank, token) order (a stable sort instead of nonzero, whose size needs a sync)
@@ -393,7 +431,8 @@ class AllToAllDispatcher:
             ctx = _DedupCtx(tokens, pair_row, in_splits, out_splits, received.shape[0], n)
             rows = GatherRows.apply(received, pair_row, None, 1)
             gates = GatherRows.apply(r_gate.reshape(-1), pair_row * k + slot, None, 1)
-            return Dispatched(rows, gates, counts, ctx, dropped, load=n_pairs, weights=weights)
+            return Dispatched(rows, gates, counts, ctx, dropped, load=n_pairs, weights=weights,
+                              own_rows=self._own_rows(own))
         return self._outbound(GatherRows.apply(x, tokens, None, 1), out_splits, in_splits, meta, complete, (),
                               dropped, n_pairs)
 

@@ -89,6 +89,9 @@ class LayerPlacement:
     # slots: then `cached` is set and send/recv/slot_index describe the copies refreshed once per step
     owned: bool = False
     cached: bool = False
+    # with `cached`: (received copies,) the redundant slot (0..r-1, after the S0 owned ones) each received copy
+    # fills; the dispatcher keeps the copies in slot order (expert.py refresh_cache)
+    copy_slot: Optional[torch.Tensor] = None
 
     @property
     def n_slots(self) -> int:

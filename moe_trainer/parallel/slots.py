@@ -87,7 +87,8 @@ def check_replicas(row: list[int], replicas: list[int], ep: int) -> None:
 def _cache_tables(row: list[int], replicas: list[int], ep: int, rank: int):
     """What `rank` sends and receives to refresh every rank's copies: (send_index, send_splits, recv_splits,
     slot_index), the forms a fetching LayerPlacement uses (replicas.py), with an expert's owner in place of
-    its home. Rows of one pair of ranks are in ascending expert id on both sides."""
+    its home, and copy_slot: the redundant slot (0..r-1) each received copy fills. Rows of one pair of ranks
+    are in ascending expert id on both sides."""
     s0, r = len(row) // ep, len(replicas) // ep
     owner = {e: q for q, e in enumerate(row)}  # expert -> its owned global slot
 
@@ -98,8 +99,9 @@ def _cache_tables(row: list[int], replicas: list[int], ep: int, rank: int):
     recv_splits = [sum(1 for e in mine if owner[e] // s0 == src) for src in range(ep)]
     # slot -> row of [owned rows; received copies]; an empty slot takes row 0 (it is routed no token)
     slot_index = list(range(s0)) + [s0 + mine.index(e) if e >= 0 else 0 for e in replicas[rank * r:(rank + 1) * r]]
+    copy_slot = [replicas[rank * r:(rank + 1) * r].index(e) for e in mine]
     return (torch.tensor([i for x in send for i in x], dtype=torch.int64), [len(x) for x in send], recv_splits,
-            torch.tensor(slot_index, dtype=torch.int64))
+            torch.tensor(slot_index, dtype=torch.int64), torch.tensor(copy_slot, dtype=torch.int64))
 
 
 def owned_placement(row: list[int], ep: int, rank: int, replicas: Optional[list[int]] = None) -> LayerPlacement:
@@ -116,9 +118,10 @@ def owned_placement(row: list[int], ep: int, rank: int, replicas: Optional[list[
                               torch.zeros(0, dtype=torch.int64), [0] * ep, [0] * ep, torch.arange(per_rank),
                               list(range(ep)), owned=True)
     check_replicas(row, replicas, ep)
-    send_index, send_splits, recv_splits, slot_index = _cache_tables(row, replicas, ep, rank)
+    send_index, send_splits, recv_splits, slot_index, copy_slot = _cache_tables(row, replicas, ep, rank)
     return LayerPlacement(torch.tensor(slots, dtype=torch.int64), per_rank, rank, cand, count, send_index,
-                          send_splits, recv_splits, slot_index, list(range(ep)), owned=True, cached=True)
+                          send_splits, recv_splits, slot_index, list(range(ep)), owned=True, cached=True,
+                          copy_slot=copy_slot)
 
 
 def copy_slots(load: torch.Tensor, row: list[int], ep: int, r: int) -> list[int]:
@@ -291,8 +294,8 @@ class SlotExperts:
             if d.placement is None or not d.placement.cached:
                 continue
             cache = d.cache
-            d.refresh_cache()
-            bad += int((cache != d.cache).any(1).sum())  # (rows, width): a rank may hold no copy
+            d.refresh_cache()  # (r, 2H, d), (r, d, H) in slot order: a slot differs if either weight does
+            bad += int(((cache[0] != d.cache[0]).flatten(1).any(1) | (cache[1] != d.cache[1]).flatten(1).any(1)).sum())
         return bad
 
     @torch.no_grad()

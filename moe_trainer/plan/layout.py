@@ -138,7 +138,7 @@ def _stage_plan(cfg: Config, st: _Setting, partition: list[int], stage: int, par
     blocks = _stage_blocks(cfg.model, partition, stage)
     comm = _stage_comm(cfg, st, stage, blocks, params)
     moe = sum(is_moe_layer(cfg.model, i) for i in blocks)
-    copies = copy_bytes(cfg, moe, acts.in_flight, st.precision)
+    copies = copy_bytes(cfg, moe, st.precision)
     act += copies.activations
     mtp = mtp_layers(cfg.model) if stage == len(partition) - 1 else 0
     reduce = grad_reduce_bytes(params, st.precision) if st.zero < 2 else 0.0

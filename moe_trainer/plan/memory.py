@@ -102,34 +102,30 @@ class CopyBytes:
     a stage, every MoE layer holding its r copies (the most the re-placement may place):
 
     cache: the copies' weights, r expert rows a MoE layer in the model dtype, kept from one refresh to
-        the next (the dispatcher's `cache`);
-    slot_weights: per micro-batch in flight, each MoE layer's S0 + r slot weights ([owned rows; copies]
-        gathered by slot, expert.py _slot_weights) that the expert kernel saves for its backward (one
-        layer's, rebuilt in its backward, under full recomputation);
-    grad_rows: during a MoE layer's backward, the r copies' gradient rows beside the owned rows' (the
-        kernel's weight gradient has S0 + r rows) until _CopyRows returns them to their owners.
+        the next (the dispatcher's `cache`, in slot order). The expert kernels take the owned slots' rows
+        with the parameters and the copies' rows with the cache as they are (MoE._run_experts: two calls),
+        so a micro-batch in flight saves no weights of its own for its backward;
+    grad_rows: during a MoE layer's backward, the r copies' gradient rows (the copies' kernel call's weight
+        gradient) until _CopyRows returns them to their owners.
     """
 
     cache: float = 0.0
-    slot_weights: float = 0.0
     grad_rows: float = 0.0
 
     @property
     def activations(self) -> float:
         """What lives beside the activations (the rest, the cache, is there all the time)."""
-        return self.slot_weights + self.grad_rows
+        return self.grad_rows
 
 
-def copy_bytes(cfg: Config, moe_blocks: int, in_flight: float, prec: Precision) -> CopyBytes:
+def copy_bytes(cfg: Config, moe_blocks: int, prec: Precision) -> CopyBytes:
     """The redundant slots' bytes on one rank of a stage with `moe_blocks` MoE layers (see CopyBytes)."""
     m, p = cfg.model, cfg.parallel
     r = p.redundant_slots
     if not r or not moe_blocks:
         return CopyBytes()
     row = 3 * m.hidden_size * m.moe_intermediate_size / p.tp * prec.param_bytes  # one expert, model dtype
-    slots = m.n_routed_experts // p.ep + r
-    kept = in_flight * moe_blocks if p.recompute != "full" else 1  # layers' slot weights awaiting their backward
-    return CopyBytes(cache=moe_blocks * r * row, slot_weights=kept * slots * row, grad_rows=r * row)
+    return CopyBytes(cache=moe_blocks * r * row, grad_rows=r * row)
 
 
 # ----------------------------------------------------------------------------- activation memory

@@ -82,7 +82,7 @@ def peak_memory(cfg: Config, gpus: int, node: int, partition: list[int], zero: i
         acts = stage_activation_bytes(cfg, partition, stage, layout.grad_accum, prec)
         act = acts.full_recompute if p.recompute == "full" else acts.no_recompute
         moe = sum(is_moe_layer(cfg.model, i) for i in _stage_blocks(cfg.model, partition, stage))
-        copies = copy_bytes(cfg, moe, acts.in_flight, prec)  # parallel.redundant_slots
+        copies = copy_bytes(cfg, moe, prec)  # parallel.redundant_slots
         worst = max(worst, states.total + act + copies.cache + copies.activations)
     return worst
 

@@ -100,6 +100,14 @@ def skewed_splits(dispatcher, n_tokens: int, k: int, count: int, seed: int, cach
     return [rows[me], [rows[s][me] for s in column], [copies[s][me] for s in column]]
 
 
+def owned_splits(dispatcher, received: list[int]) -> list[int]:
+    """With redundant slots (slot-owned experts with copies, AllToAllDispatcher._owned_of): of the rows (the
+    (row, expert) pairs with dedup) received from each rank, those for this rank's S0 owned slots, the
+    owned slots' share S0 / (S0 + r) of them, rounded down (the copies take the rest)."""
+    s0, s = dispatcher.experts.n_local, dispatcher.n_local
+    return [c * s0 // s for c in received]
+
+
 @contextlib.contextmanager
 def routed_dispatch(model_cfg, routing: str, seed: int, stats: dict):
     """AllToAllDispatcher's split-size read returns the sizes `routing` draws for the tokens in hand.
@@ -125,8 +133,11 @@ def routed_dispatch(model_cfg, routing: str, seed: int, stats: dict):
 
     def splits(*per_rank):
         me, n, k = current[-1]
-        out = (balanced_splits(me, n, k, len(per_rank)) if routing == "balanced"
-               else skewed_splits(me, n, k, len(per_rank), seed, cache))
+        count = 3 if me.dedup else 2  # (a dispatcher holding copies asks for one vector more: owned_splits)
+        out = (balanced_splits(me, n, k, count) if routing == "balanced"
+               else skewed_splits(me, n, k, count, seed, cache))
+        if me._holds_copies():
+            out.append(owned_splits(me, out[-1]))
         sizes = [x for v in out[:2] for x in v]
         stats["splits"] = stats.get("splits", 0) + len(sizes)
         stats["zero"] = stats.get("zero", 0) + sum(1 for x in sizes if x == 0)
