@@ -324,6 +324,9 @@ def test_cli_time_search_and_bad_input(tmp_path):
     assert data["balanced"]["step"] > 0 and data["layout"]["ep"] == 32
     bad = _cli("--config", "configs/moe_tiny.yaml", "--gpus", "2", "--time", "--gpu", "tpu")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--gpu must be one of" in bad.stderr
+    # DeepSeek-V3's 15,360 sequences a step leave no layout on 2,048 GPUs that the overlap runs
+    bad = _cli("--config", "configs/deepseek_v3_671b.yaml", "--gpus", "2048", "--search", "--set", "parallel.overlap=a2a")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "can run parallel.overlap=a2a" in bad.stderr
     plan = tmp_path / "plan.json"
     out = _cli("--config", "configs/deepseek_v3_671b.yaml", "--gpus", "2048", "--search", "--gpu", "h800",
                "--json", str(plan))

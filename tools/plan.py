@@ -212,6 +212,12 @@ def _run_search(args, argv) -> int:
     value, _ = _natural(args, setup_from_config(cfg, args.gpus))
     best, tried, fit = search_mod.search(cfg, args.gpus, gpu, eff, mech, args.gpu_memory_gb, value,
                                          overlap=requested)
+    if not tried:
+        if requested == "a2a":
+            raise plan.PlanError(f"no legal layout of {args.config} on {args.gpus} GPUs can run parallel.overlap=a2a "
+                                 f"(it needs ep > 1, tp = cp = 1, and pp 1 or interleaved 1F1B, whose micro-batches "
+                                 f"per step are a multiple of pp); set parallel.overlap=auto or none.")
+        raise plan.PlanError(f"no layout of {args.config} on {args.gpus} GPUs is legal.")
     if not best:
         raise plan.PlanError(f"none of the {tried} legal layouts of {args.config} on {args.gpus} GPUs fits in "
                              f"--gpu-memory-gb {args.gpu_memory_gb:g}.")
