@@ -155,6 +155,42 @@ def test_forward_backward_has_no_host_sync_on_cuda():
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_held_back_weight_grads_on_cuda_are_the_plain_ones_without_a_host_sync():
+    """The overlapped executor's held-back weight gradients (kernels/wgrad.py) on the CUDA kernel: the
+    input and gate gradients made inside held_back() and the weight gradients made later equal the plain
+    backward's (the same GEMMs on the same stream), an empty expert's zeros included; and neither part
+    reads the device from the host (tests/test_moe_kernels.py checks the same on the CPU paths)."""
+    from moe_trainer.kernels import wgrad
+    from moe_trainer.kernels.accelerator import GroupedExperts
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    counts = torch.tensor([96, 0, 64, 128, 32, 0, 160, 32], device=CUDA)
+    e, m, d, hid = counts.numel(), int(counts.sum()), 256, 128
+    leaf = lambda *shape, scale=1.0: (torch.randn(*shape, device=CUDA, generator=g) * scale).to(  # noqa: E731
+        torch.bfloat16).requires_grad_()
+    x, w1, w2, gate = leaf(m, d), leaf(e, 2 * hid, d, scale=d ** -0.5), leaf(e, d, hid, scale=hid ** -0.5), leaf(m)
+    dy = torch.randn(m, d, device=CUDA, generator=g).to(torch.bfloat16)
+    GroupedExperts.apply(x, w1, w2, gate, counts).backward(dy)
+    plain = [t.grad.clone() for t in (x, w1, w2, gate)]
+    for t in (x, w1, w2, gate):
+        t.grad = None
+    y = GroupedExperts.apply(x, w1, w2, gate, counts)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with wgrad.held_back() as queue:
+            y.backward(dy)
+        made = wgrad.weight_grads(queue)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert w1.grad is None and w2.grad is None and [w for w, _ in made] == [w1, w2]
+    for got, want in zip((x.grad, made[0][1], made[1][1], gate.grad), plain):
+        assert torch.equal(got, want)
+    assert torch.count_nonzero(made[0][1][1]) == 0 and torch.count_nonzero(made[0][1][0]) > 0
+
+
 def test_mla_attention_asks_cudnn_first_on_cuda_and_torchs_order_elsewhere():
     """MLA's two head sizes (query/key 192, value 128 in DeepSeek-V3) on CUDA: cuDNN first, then torch's
     order (flash refuses them, memory-efficient is what torch's order would pick, math last); one head
