@@ -191,6 +191,45 @@ def test_held_back_weight_grads_on_cuda_are_the_plain_ones_without_a_host_sync()
     assert torch.count_nonzero(made[0][1][1]) == 0 and torch.count_nonzero(made[0][1][0]) > 0
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_sub_layer_regions_compiled_by_inductor_train_as_eager_on_cuda():
+    """What `parallel.overlap: a2a` with `train.compile: true` runs, on inductor's triton kernels (the CPU
+    suite compiles these regions with aot_eager only, tests/test_compile.py): a small model compiled by
+    sub-layer region (compile_regions(overlap=True): attention block, router, routed and shared experts,
+    each one graph, fullgraph) trains 3 bf16 SGD steps with eager's losses, and the routed experts' graph,
+    its rows an unbacked size, takes a call with no row without compiling again."""
+    from moe_trainer.compile import compile_regions
+    from moe_trainer.moe.dispatcher import Dispatched
+    from test_compile import small_model
+    ids = torch.randint(0, 320, (2, 33), generator=torch.Generator().manual_seed(1)).to(CUDA)
+    losses = {}
+    for mode in ("eager", "regions"):
+        torch._dynamo.reset()
+        _, model = small_model(torch.bfloat16, "model.num_hidden_layers=2")
+        model.to(CUDA)
+        if mode == "regions":
+            names = compile_regions(model, backend="inductor", fullgraph=True, overlap=True)
+            assert "layers.1.mlp.experts" in names and "layers.1.attention_block" in names
+        opt = torch.optim.SGD(model.parameters(), lr=0.2)
+        losses[mode] = []
+        for _ in range(3):
+            loss = model(ids[:, :-1], ids[:, 1:]).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[mode].append(loss.item())
+    assert losses["eager"][0] > losses["eager"][-1]
+    torch.testing.assert_close(torch.tensor(losses["regions"]), torch.tensor(losses["eager"]), rtol=2e-2, atol=0)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    none = torch.zeros(0, 64, dtype=torch.bfloat16, device=CUDA, requires_grad=True)
+    y = model.layers["1"].mlp._run_experts(Dispatched(none, torch.zeros(0, device=CUDA, requires_grad=True),
+                                                      torch.zeros(8, dtype=torch.int64, device=CUDA), None))
+    y.float().sum().backward()
+    assert y.shape == (0, 64) and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    torch._dynamo.reset()
+
+
 def test_mla_attention_asks_cudnn_first_on_cuda_and_torchs_order_elsewhere():
     """MLA's two head sizes (query/key 192, value 128 in DeepSeek-V3) on CUDA: cuDNN first, then torch's
     order (flash refuses them, memory-efficient is what torch's order would pick, math last); one head
