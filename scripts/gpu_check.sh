@@ -3,8 +3,9 @@
 # 2-GPU layout comparisons skip with a sentence on one GPU), then tokens/s and MFU (against the GPU's
 # datasheet bf16 peak) of the real trainer on one GPU for configs/moe_bench.yaml and
 # configs/moe_1b_gpu.yaml (~1B activated parameters, fits one 80 GB GPU), the latter eager and with
-# train.compile=true, and their ratio. Sized for about 11 minutes on one H200 (not yet run there: the
-# compiled run's compile time is a guess of 1-2 minutes). Everything it writes (the tests' runs, the
+# train.compile=true, and their ratio. Sized for about 13 minutes on one H200 (run there with --quick on
+# 2026-12-04, compile 28 s; the inductor sub-layer regions test added since is a guess of 1-2 minutes).
+# Everything it writes (the tests' runs, the
 # throughput runs and their final checkpoints, ~34 GB for moe_1b_gpu) goes under one scratch directory
 # in TMPDIR, deleted when the script ends, however it ends.
 # Usage: ./scripts/gpu_check.sh [--quick] [--no-tests]   (--quick: fewer steps per throughput run;
