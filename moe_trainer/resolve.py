@@ -68,8 +68,8 @@ def check(cfg: Config) -> None:
 
 def check_overlap(cfg: Config) -> None:
     """parallel.overlap=a2a where the overlapped executor (parallel/overlap.py; at pp > 1 the pipeline
-    executor's interleaved 1F1B pairs) runs; auto (the default) stays auto there (a2a on GPUs, none on CPU
-    ranks: train.resolve_device_settings) and becomes none elsewhere; debug.link_* >= 0."""
+    executor's interleaved 1F1B pairs) runs; auto (the default) stays auto there (overlap_runs decides per
+    device: train.resolve_device_settings) and becomes none elsewhere; debug.link_* >= 0."""
     d = cfg.debug
     _require(is_number(d.link_gbps) and d.link_gbps >= 0 and is_number(d.link_latency_us) and d.link_latency_us >= 0,
              f"debug.link_gbps and debug.link_latency_us must be numbers >= 0 (0 = off), got {d.link_gbps!r} and "
