@@ -31,6 +31,19 @@ def small_model(dtype, *extra):
         return cfg, build_model(cfg.model, seed=3).to(dtype)
 
 
+def sgd_losses(model, ids: torch.Tensor, steps: int = 3) -> list[float]:
+    """The losses of `steps` SGD steps (lr 0.2) of `model` on the token ids' next-token task."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    losses = []
+    for _ in range(steps):
+        loss = model(ids[:, :-1], ids[:, 1:]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch._dynamo.reset()
@@ -82,14 +95,7 @@ def test_short_training_compiled_by_region_equals_eager():
             assert sorted(names) == sorted(["layers.0", "lm_head", "loss_fn", "norm"] + moe)
             torch._dynamo.reset()  # count this mode's graphs only (the modes before compiled the head's too)
             torch._dynamo.utils.counters.clear()
-        opt = torch.optim.SGD(model.parameters(), lr=0.2)
-        losses[mode] = []
-        for _ in range(3):
-            loss = model(ids[:, :-1], ids[:, 1:]).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses[mode].append(loss.item())
+        losses[mode] = sgd_losses(model, ids)
         counts[mode] = model.layers["1"].mlp.tokens_per_expert.clone()
         if mode == "sub-layer regions":
             _regions_are_shared(model)

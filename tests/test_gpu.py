@@ -201,7 +201,7 @@ def test_sub_layer_regions_compiled_by_inductor_train_as_eager_on_cuda():
     its rows an unbacked size, takes a call with no row without compiling again."""
     from moe_trainer.compile import compile_regions
     from moe_trainer.moe.dispatcher import Dispatched
-    from test_compile import small_model
+    from test_compile import sgd_losses, small_model
     ids = torch.randint(0, 320, (2, 33), generator=torch.Generator().manual_seed(1)).to(CUDA)
     losses = {}
     for mode in ("eager", "regions"):
@@ -211,14 +211,7 @@ def test_sub_layer_regions_compiled_by_inductor_train_as_eager_on_cuda():
         if mode == "regions":
             names = compile_regions(model, backend="inductor", fullgraph=True, overlap=True)
             assert "layers.1.mlp.experts" in names and "layers.1.attention_block" in names
-        opt = torch.optim.SGD(model.parameters(), lr=0.2)
-        losses[mode] = []
-        for _ in range(3):
-            loss = model(ids[:, :-1], ids[:, 1:]).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses[mode].append(loss.item())
+        losses[mode] = sgd_losses(model, ids)
     assert losses["eager"][0] > losses["eager"][-1]
     torch.testing.assert_close(torch.tensor(losses["regions"]), torch.tensor(losses["eager"]), rtol=2e-2, atol=0)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
