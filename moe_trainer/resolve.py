@@ -109,6 +109,12 @@ def overlap_runs(cfg: Config, device_type: str = "cuda") -> bool:
     return device_type != "cpu" and not compiles
 
 
+def settle_overlap(cfg: Config, device_type: str) -> None:
+    """parallel.overlap auto made a2a or none for ranks of `device_type` (overlap_runs)."""
+    if cfg.parallel.overlap == "auto":
+        cfg.parallel.overlap = "a2a" if overlap_runs(cfg, device_type) else "none"
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)

@@ -191,15 +191,14 @@ def resolve_device_settings(cfg, device) -> None:
     CPU ranks (resolve.overlap_runs); train.compile auto -> on CUDA only (the run directory's config.yaml
     records the values used); fp32 matmuls on CUDA run as TF32."""
     import torch
-    from .resolve import overlap_runs
+    from .resolve import settle_overlap
     if cfg.train.dtype == "auto":
         cfg.train.dtype = "fp32" if device.type == "cpu" else "bf16"
-    if cfg.parallel.overlap == "auto":
-        # on NCCL the transfers run on their own stream, beside the other micro-batch's compute; between
-        # CPU ranks on the shared-memory rings the exchange runs when it is waited for, on the rank's own
-        # thread, so there is nothing to hide and the pairing only costs (0.91x without a link,
-        # docs/BENCHMARKS.md); a CPU run asks for it with parallel.overlap=a2a (the benches, the tests)
-        cfg.parallel.overlap = "a2a" if overlap_runs(cfg, device.type) else "none"
+    # on NCCL the transfers run on their own stream, beside the other micro-batch's compute; between CPU
+    # ranks on the shared-memory rings the exchange runs when it is waited for, on the rank's own thread, so
+    # there is nothing to hide and the pairing only costs (0.91x without a link, docs/BENCHMARKS.md); a CPU
+    # run asks for it with parallel.overlap=a2a (the benches, the tests)
+    settle_overlap(cfg, device.type)
     if cfg.train.compile == "auto":
         # redundant slots' copies run eager; an overlapped run (parallel.overlap a2a, asked for) compiles its
         # sub-layer regions (compile.py) only when train.compile is true: no GPU has measured them yet

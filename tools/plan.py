@@ -29,7 +29,7 @@ from moe_trainer.config import ConfigError, read_config  # noqa: E402
 from moe_trainer.plan import gpus as gpus_mod, published, search as search_mod, time as time_mod  # noqa: E402
 from moe_trainer.plan import time_report  # noqa: E402
 from moe_trainer.plan.work import setup_from_config  # noqa: E402
-from moe_trainer.resolve import load_config, overlap_runs  # noqa: E402
+from moe_trainer.resolve import load_config  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
@@ -178,7 +178,7 @@ def _run_time(args, argv) -> int:
         # parallel.overlap a2a (or auto where a CUDA run stays eager: resolve.overlap_runs): the trainer pairs
         # micro-batches as --overlap models (pp 1, interleaved pp > 1)
         # (and then holds the experts' weight gradients back: Mechanisms.wgrad_split)
-        mech = time_mod.trainer_mechanisms(cfg.train.compile, a2a_overlap=overlap_runs(cfg) or args.overlap)
+        mech = search_mod.layout_mechanisms(cfg, time_mod.Mechanisms(a2a_overlap=args.overlap))
     mech = time_mod.dataclasses.replace(mech, a2a_overlap=mech.a2a_overlap or args.overlap,
                                         gemm_dtype=args.gemm_dtype or mech.gemm_dtype)
     gpu, eff = _gpu_eff(args)

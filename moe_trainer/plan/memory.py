@@ -292,8 +292,8 @@ def stage_activation_bytes(cfg: Config, partition: Sequence[int], stage: int, mi
         # token (uniform routing); the shared experts' output and the k combined rows. With full
         # recomputation each stage's checkpoint keeps them, for every micro-batch in flight.
         moe = sum(1 for i in blocks if i < m.num_hidden_layers and is_moe_layer(m, i))
-        records = moe * (3 + 2 * m.num_experts_per_tok) * m.hidden_size * b * tokens
-        kept += records
+        moe_records = moe * (3 + 2 * m.num_experts_per_tok) * m.hidden_size * b * tokens
+        kept += moe_records
         # What the pair adds at its peak: at pp 1 the forward fills memory as the backward (the previous
         # micro-batch's, in reverse layer order) frees it, so no micro-batch more is alive, only the
         # records of the one in the pair; at pp > 1 the pair's forward (a chunk, 1/v of the stage) comes on
@@ -301,7 +301,7 @@ def stage_activation_bytes(cfg: Config, partition: Sequence[int], stage: int, mi
         # (docs/DRY_RUN.md): moe_1b_8gpu 1.00x of the heaviest rank, moe_1b_16gpu with v 2 0.99x (rank 0)
         # and 0.84x (rank 8); one more whole micro-batch read 0.81x and 1.04x / 0.89x.
         chunk = 1.0 if p.pp == 1 else 1.0 / p.virtual_stages
-        records += len(blocks) * m.hidden_size * b / (p.tp if sp else 1) * tokens
+        records = moe_records + len(blocks) * m.hidden_size * b / (p.tp if sp else 1) * tokens
         extra = chunk * (records + (sum(full) + loss if p.pp > 1 else 0.0))
         extra_recompute = chunk * (kept if p.pp > 1 else records)
     working = max(full, default=0.0)

@@ -354,7 +354,7 @@ class Simulator:
         and its last training step, the checkpoint's traffic, its peak bytes)."""
         from ... import trainer as trainer_module
         from ...config import validate_layout
-        from ...resolve import load_config, overlap_runs
+        from ...resolve import load_config, settle_overlap
         from ...train import make_trainer
         from .. import mesh as mesh_module
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(self.world),
@@ -362,8 +362,7 @@ class Simulator:
                            "LOCAL_WORLD_SIZE": str(self.gpus_per_node), "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": "29500"})
         cfg = load_config(self.config, overrides)
-        if cfg.parallel.overlap == "auto":  # as a CUDA run resolves it (train.resolve_device_settings)
-            cfg.parallel.overlap = "a2a" if overlap_runs(cfg, "cuda") else "none"
+        settle_overlap(cfg, "cuda")  # as a CUDA run resolves it (train.resolve_device_settings)
         if cfg.train.compile == "auto":  # a GPU run's default; the dry run walks the eager path (compiled
             cfg.train.compile = False    # regions make the same collectives, as functional ones)
         layout = validate_layout(cfg, self.world, self.gpus_per_node)
