@@ -272,7 +272,13 @@ def _run_calibrate(argv: list[str]) -> int:
         return [(pub, time_mod.step_time(setup, gpus_mod.gpu_named(pub.gpu), eff_of(pub), pub.mechanisms,
                                          published.imbalance_of(pub))) for pub, setup in runs]
     eff = gpus_mod.Efficiency()
-    print(time_report.format_calibration(rows_at(eff)))
+    rows = rows_at(eff)
+    print(time_report.format_calibration(rows))
+    off, on = ([t for p, t in rows if p is pub][0] for pub in published.OVERLAP_CHECK)
+    measured = published.OVERLAP_CHECK[1].figure / published.OVERLAP_CHECK[0].figure
+    print(f"Megatron's EP overlap on one layout ({published.OVERLAP_SOURCE}): on / off measured {measured:.3f}x, "
+          f"estimated {on.model_tflops_per_gpu / off.model_tflops_per_gpu:.3f}x (docs/PLANS.md, \"Megatron's EP "
+          "overlap, off and on\").\n")
     sweep = {us: rows_at(eff, us) for us in HOST_SWEEP_US}
     print("The same, the host's time per kernel of the run's framework swept (Megatron-Core's host_megatron_us, "
           f"measured by proxy at {eff.host_megatron_us:g} us; the other fused or compiled runs' launch_us, "

@@ -179,10 +179,40 @@ MEASURED = (
 )
 
 
+# Megatron's EP overlap measured on and off on one layout (Megatron-LM PR #6429, 2026-08-11, the main-branch
+# counterpart of dev PR #6311, merged: "Recompute EP A2A overlap activations per layer", table "B vs C"):
+# DeepSeek-V3's shape at 14 layers with its 256-expert MoE and MTP 1 on 64 H100 (8 nodes), TP 1 / PP 4 / EP 16,
+# layout Ett|(tt|)*6mL (v = 2), alltoall dispatcher, seq 2048, MBS 1, GBS 256 (16 micro-batches), BF16, full
+# recompute, one layer per segment; median TFLOP/s per GPU of 30 iterations, the first 5 dropped
+OVERLAP_SOURCE = "Megatron-LM PR #6429 (main counterpart of the merged dev PR #6311), arms B and C, 64 H100"
+_OVERLAP_RUN = dict(
+    gpu="h100", gpus=64, unit="tflops_per_gpu", balance="random", config="configs/deepseek_v3_671b.yaml",
+    overrides=("model.num_hidden_layers=14", "train.seq_len=2048", "train.global_batch_size=256", "parallel.pp=4",
+               "parallel.virtual_stages=2", "parallel.ep=16", "parallel.recompute=full",
+               "parallel.dedup_dispatch=false"),
+    assumptions="the PR's layout and settings; not stated, assumed: DeepSeek-V3's first 3 layers dense, "
+                "Megatron's random-logit balance (uniform routing), the benchmark runtime's overlapped "
+                "gradient reduce and parameter gather, TE's fused kernels at host_megatron_us, and no SMs held "
+                "back for NCCL's all-to-all (each (token, expert) copy sent: no node dedup); the trainer's "
+                "balanced partition (4, 4, 3, 3 layers per rank, MTP last) for Megatron's 2-layer chunks")
+OVERLAP_CHECK = (
+    Published(name="DeepSeek-V3 proxy, EP overlap off (Megatron-LM PR #6429, 64 H100, full recompute)",
+              figure=185.2, source=f"{OVERLAP_SOURCE}: arm C, overlap off, 185.2 TFLOP/s per GPU",
+              mechanisms=Mechanisms(dp_overlap=True, p2p_overlap=True, dp_reduce_scatter=True, fused_glue=True,
+                                    host="megatron", grad_accum_fusion=True), **_OVERLAP_RUN),
+    Published(name="DeepSeek-V3 proxy, EP overlap on (Megatron-LM PR #6429, 64 H100, full recompute)",
+              figure=199.5, source=f"{OVERLAP_SOURCE}: arm B, overlap on, 199.5 TFLOP/s per GPU",
+              mechanisms=Mechanisms(a2a_overlap=True, dp_overlap=True, p2p_overlap=True, dp_reduce_scatter=True,
+                                    fused_glue=True, host="megatron", grad_accum_fusion=True, a2a_hiding="megatron"),
+              **_OVERLAP_RUN),
+)
+
+
 def calibration_setups(root: Path, measured: bool = True) -> list[tuple[Published, Setup]]:
     """The four published runs and their setups: the two trainer configs above with their overrides,
     the two published-run files; a cross-check (Qwen3-30B-A3B: the fine-grained MoE layer inside one
-    node, no pipeline); then (`measured`) this trainer's own runs on a GPU."""
+    node, no pipeline); Megatron's EP overlap off and on (OVERLAP_CHECK); then (`measured`) this
+    trainer's own runs on a GPU."""
     from ..resolve import load_config
     from .work import setup_from_config
     out = []
@@ -197,7 +227,7 @@ def calibration_setups(root: Path, measured: bool = True) -> list[tuple[Publishe
         again = remeasured(pub, name)
         if again is not None:
             out.append((again, setup))
-    for pub in MEASURED if measured else ():
+    for pub in OVERLAP_CHECK + (MEASURED if measured else ()):
         cfg = load_config(str(root / pub.config), list(pub.overrides))
         out.append((pub, setup_from_config(cfg, pub.gpus, name=Path(pub.config).stem)))
     return out

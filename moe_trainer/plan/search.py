@@ -152,7 +152,7 @@ def layout_mechanisms(c: Config, mech: Mechanisms) -> Mechanisms:
     if mech.a2a_overlap and not own.a2a_overlap:
         own = trainer_mechanisms(c.train.compile, True, mech.gemm_dtype)
     return dataclasses.replace(mech, a2a_overlap=own.a2a_overlap, wgrad_split=own.wgrad_split, host=own.host,
-                               fused_glue=own.fused_glue)
+                               fused_glue=own.fused_glue, replay_a2a=own.replay_a2a)
 
 
 _PARTS = (("compute", "compute"), ("exposed_comm", "exposed communication"), ("bubble", "bubble"),

@@ -40,6 +40,7 @@ from .work import (PARAM_TENSORS_PER_BLOCK, Gemm, Setup, block_kernels, block_wo
 
 SCHEDULES = ("1f1b", "dualpipe")
 HOSTS = ("eager", "compiled", "fused", "megatron", "graphs", "inline")
+HIDINGS = ("phases", "megatron")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,17 @@ class Mechanisms:
     # it hides behind them too (this trainer's overlap: kernels/wgrad.py; DualPipe's W, Megatron's
     # --delay-wgrad-compute)
     wgrad_split: bool = False
+    # a full recomputation's replay re-sends its MoE blocks' all-to-alls: the plain recomputation of a whole
+    # layer (this trainer's parallel.recompute full, Megatron's); under the overlap Megatron replays each
+    # layer right before its backward with those transfers exposed ("The A2A issued here is exposed (not
+    # overlapped) by design", Megatron-LM PR #5869 / #6311); this trainer's overlapped executor
+    # checkpoints the pieces between the all-to-alls (parallel/overlap_model.py), so its replay sends no rows
+    replay_a2a: bool = True
+    # how much of the paired transfers' hiding the overlap achieves: phases (each transfer hidden behind its
+    # partner's compute phase as far as the phase lasts: this trainer, DualPipe, which "fully hides" the
+    # all-to-all, arXiv:2412.19437 sec. 3.2.1) or megatron (Megatron's combined 1F1B as measured: that
+    # ideal's Efficiency.megatron_a2a_hidden share)
+    a2a_hiding: str = "phases"
 
     def describe(self) -> str:
         on = [n for n in ("a2a_overlap", "tp_overlap", "dp_overlap", "p2p_overlap", "dp_reduce_scatter",
@@ -92,7 +104,7 @@ def trainer_mechanisms(compile_setting, a2a_overlap: bool = False, gemm_dtype: s
     and loss (inductor's kernels and glue bytes), false runs them eager."""
     compiled = compile_setting is True or (compile_setting == "auto" and not a2a_overlap)
     return Mechanisms(a2a_overlap=a2a_overlap, gemm_dtype=gemm_dtype, host="compiled" if compiled else "eager",
-                      fused_glue=compiled, wgrad_split=a2a_overlap)
+                      fused_glue=compiled, wgrad_split=a2a_overlap, replay_a2a=not a2a_overlap)
 
 # whether this trainer overlaps each communication today (the report's column)
 TRAINER_OVERLAPS = {
@@ -283,18 +295,21 @@ def comm_seconds(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, imbalance: flo
     from .params import Precision
     rb = rank_bytes(s, stage)
     remote = ep_remote_share(s)
+    # rank_bytes counts every pass of the MoE blocks (forward, backward, a full recomputation's replay); the
+    # replay sends no rows where Mechanisms.replay_a2a is off
+    sent = 2 / 3 if s.recompute == "full" and not mech.replay_a2a else 1.0
     # the dispatch half of the bytes in FP8 when the mechanism says so
-    a2a = rb.a2a_bytes * imbalance * ((1 + 0.5) / 2 if mech.fp8_dispatch and s.act_bytes == 2 else 1.0)
+    a2a = rb.a2a_bytes * sent * imbalance * ((1 + 0.5) / 2 if mech.fp8_dispatch and s.act_bytes == 2 else 1.0)
     nvlink, net = a2a * (1 - remote), a2a * remote
     if mech.node_dedup and a2a:  # every copy still moves over NVLink once; the network carries one per node
         nvlink = a2a
-        net = rb.a2a_layers * imbalance * node_dedup_bytes(s, 1 if mech.fp8_dispatch else s.act_bytes)
+        net = rb.a2a_layers * sent * imbalance * node_dedup_bytes(s, 1 if mech.fp8_dispatch else s.act_bytes)
     a2a_s = max(nvlink / (gpu.nvlink_gbs * eff.a2a * 1e9), net / (gpu.net_gbs * eff.a2a * 1e9)) if a2a else 0.0
     # the fixed time per call: each MoE block and pass sends two row transfers (dispatch, combine), and each
     # forward pass (recomputation's too) first exchanges the split sizes, a blocking all-to-all of a few bytes
     lat = eff.a2a_latency_us * 1e-6 if a2a else 0.0
     moe_blocks = sum(is_moe_layer(s.ffn, i) for i in stage_blocks(s, stage))
-    a2a_s += 2 * rb.a2a_layers * lat
+    a2a_s += 2 * rb.a2a_layers * sent * lat
     split_s = (rb.a2a_layers - moe_blocks) * lat
     node = s.gpus_per_node
     p2p_across = s.gpus > node
@@ -335,18 +350,35 @@ def _paired_a2a_exposed(a2a: float, dev: float, attn_share: float, mech: Mechani
     (forward attention | backward combine), (backward MLP | forward dispatch), (forward MLP | backward
     dispatch), (backward attention | forward combine); the forward is a third of a phase's compute.
     `held`: the weight-gradient seconds the backward MLP phase runs after issuing its dispatch's
-    transfer (Mechanisms.wgrad_split), which that transfer hides behind as well."""
-    d = 0.5 if mech.fp8_dispatch else 1.0  # the forward dispatch's bytes against a BF16 transfer's
-    unit = a2a / (3 + d)
+    transfer (Mechanisms.wgrad_split), which that transfer hides behind as well. Under FP8 dispatch
+    the two transfers towards the experts carry FP8 (the forward dispatch, and the backward combine's
+    gradients before the down-projection: arXiv:2412.19437 sec. 3.3.2), the two back carry BF16."""
+    d = 0.5 if mech.fp8_dispatch else 1.0  # a transfer towards the experts' bytes against a BF16 one's
+    unit = a2a / (2 + 2 * d)
     attn, mlp = dev * attn_share, dev * (1 - attn_share)
-    slots = ((unit, attn / 3), (d * unit, 2 * mlp / 3), (unit, mlp / 3 + held), (unit, 2 * attn / 3))
+    slots = ((d * unit, attn / 3), (d * unit, 2 * mlp / 3), (unit, mlp / 3 + held), (unit, 2 * attn / 3))
     return sum(max(0.0, comm - comp) for comm, comp in slots)
 
 
-def a2a_exposure(a2a: float, split: float, moe_block: tuple, mech: Mechanisms, host_moe: float = 0.0) -> dict:
+def replay_share(s: Setup, mech: Mechanisms) -> float:
+    """Share of the row transfers a full recomputation's replay sends (its dispatch and combine, beside
+    the forward's and the backward's: a third), where it sends them (Mechanisms.replay_a2a); else 0."""
+    return 1 / 3 if s.recompute == "full" and mech.replay_a2a else 0.0
+
+
+def hiding_share(eff: Efficiency, mech: Mechanisms) -> float:
+    """Share of the paired transfers' ideal hiding the framework's overlap achieves (Mechanisms.a2a_hiding)."""
+    return eff.megatron_a2a_hidden if mech.a2a_hiding == "megatron" else 1.0
+
+
+def a2a_exposure(a2a: float, split: float, moe_block: tuple, mech: Mechanisms, host_moe: float = 0.0,
+                 replay: float = 0.0, hiding: float = 1.0) -> dict:
     """The expert all-to-all a rank waits for per micro-batch, term by term (seconds):
     - paired: the transfers of the paired micro-batches, each hidden only behind the partner's compute
       phase beside it (`_paired_a2a_exposed`, per MoE block), over the share of chunks that run paired;
+      of what that would hide, the framework hides the share `hiding` (`hiding_share`);
+    - replay: in the paired chunks, the transfers a full recomputation's replay sends (`replay`, their
+      share of `a2a`: `replay_share`), issued right before the backward that needs them, so exposed;
     - unpaired: the schedule's warm-up forwards and cool-down backwards (`unpaired_share`), whose
       transfers nothing hides: their whole time;
     - split: the dispatcher's split-size exchange before each dispatch, blocking in both executors (the
@@ -359,12 +391,16 @@ def a2a_exposure(a2a: float, split: float, moe_block: tuple, mech: Mechanisms, h
     it dispatches, so a phase lasts its host time and its arithmetic)."""
     n_moe, dev_moe, attn_share, unpaired, held = moe_block
     if not (mech.a2a_overlap and n_moe):
-        return {"paired": 0.0, "unpaired": a2a, "split": split, "exposed": a2a + split}
+        return {"paired": 0.0, "replay": 0.0, "unpaired": a2a, "split": split, "exposed": a2a + split}
     # on a CPU rank the held-back weight gradients last their host time too, in the block's proportion
     held *= 1 + host_moe / dev_moe if dev_moe else 1.0
-    paired = (1 - unpaired) * n_moe * _paired_a2a_exposed(a2a / n_moe, dev_moe + host_moe, attn_share, mech, held)
-    return {"paired": paired, "unpaired": unpaired * a2a, "split": split,
-            "exposed": paired + unpaired * a2a + split}
+    pairable = (1 - unpaired) * a2a * (1 - replay)
+    ideal = (1 - unpaired) * n_moe * _paired_a2a_exposed(a2a * (1 - replay) / n_moe, dev_moe + host_moe, attn_share,
+                                                        mech, held)
+    paired = ideal + (1 - hiding) * (pairable - ideal)
+    replayed = (1 - unpaired) * a2a * replay
+    return {"paired": paired, "replay": replayed, "unpaired": unpaired * a2a, "split": split,
+            "exposed": paired + replayed + unpaired * a2a + split}
 
 
 def stage_a2a_exposure(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms,
@@ -376,7 +412,8 @@ def stage_a2a_exposure(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, mech: Me
     comm = comm_seconds(s, stage, gpu, eff, f, mech)
     host = host_seconds(s, stage, eff, mech)
     terms = a2a_exposure(comm["all_to_all"], comm["a2a_split"], _moe_block(s, stage, gpu, eff, mech, f), mech,
-                         _moe_launch(host) if mech.host == "inline" else 0.0)
+                         _moe_launch(host) if mech.host == "inline" else 0.0, replay_share(s, mech),
+                         hiding_share(eff, mech))
     m = s.micro_batches
     return {"transfers": m * comm["all_to_all"], **{k: m * v for k, v in terms.items()}}
 
@@ -387,14 +424,14 @@ def _moe_launch(host: dict) -> float:
     return sum(n * t for n, t in moe) / max(1, sum(n for n, _ in moe))
 
 
-def _per_micro_batch(kinds: dict, comm: dict, mech: Mechanisms, host: dict,
-                     moe_block: tuple) -> tuple[float, float, dict, float]:
+def _per_micro_batch(kinds: dict, comm: dict, mech: Mechanisms, host: dict, moe_block: tuple,
+                     replay: float = 0.0, hiding: float = 1.0) -> tuple[float, float, dict, float]:
     """(seconds per micro-batch, compute, exposed communication by kind, host wait) of one stage.
-    `moe_block`: `_moe_block`'s tuple."""
+    `moe_block`: `_moe_block`'s tuple; `replay`: `replay_share`; `hiding`: `hiding_share`."""
     c = sum(kinds.values())
     n_moe, dev_moe = moe_block[:2]
     a2a = a2a_exposure(comm["all_to_all"], comm.get("a2a_split", 0.0), moe_block, mech,
-                       _moe_launch(host) if mech.host == "inline" else 0.0)["exposed"]
+                       _moe_launch(host) if mech.host == "inline" else 0.0, replay, hiding)["exposed"]
     exposed = {
         "tensor": max(0.0, comm["tensor"] - kinds["gemm"]) if mech.tp_overlap else comm["tensor"],
         "context": max(0.0, comm["context"] - kinds["attention"]) if mech.tp_overlap else comm["context"],
@@ -474,13 +511,16 @@ def step_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms = TRAINER_TO
         raise PlanError(f"schedule must be one of {', '.join(SCHEDULES)}, got {mech.schedule!r}.")
     if mech.host not in HOSTS:
         raise PlanError(f"host must be one of {', '.join(HOSTS)}, got {mech.host!r}.")
+    if mech.a2a_hiding not in HIDINGS:
+        raise PlanError(f"a2a_hiding must be one of {', '.join(HIDINGS)}, got {mech.a2a_hiding!r}.")
     if mech.gemm_dtype == "fp8" and not gpu.fp8_tflops:
         raise PlanError(f"--gemm-dtype fp8 needs FP8 tensor cores; the {gpu.name} has none.")
     f = uniform_imbalance(s) if imbalance is None else imbalance
     if f < 1:
         raise PlanError(f"the load imbalance (busiest EP rank over the mean) must be at least 1, got {f:g}.")
     per_stage = [(stage_compute(s, st, gpu, eff, mech, f), comm_seconds(s, st, gpu, eff, f, mech),
-                  mech, host_seconds(s, st, eff, mech), _moe_block(s, st, gpu, eff, mech, f)) for st in range(s.pp)]
+                  mech, host_seconds(s, st, eff, mech), _moe_block(s, st, gpu, eff, mech, f), replay_share(s, mech),
+                  hiding_share(eff, mech)) for st in range(s.pp)]
     rows = [(*_per_micro_batch(*ps), ps[0], ps[1]) for ps in per_stage]
     if mech.schedule == "dualpipe":
         # DualPipe feeds micro-batches from both ends: rank r holds stage r and stage p-1-r (two copies of
