@@ -214,6 +214,13 @@ def test_the_published_runs():
     # Megatron's measured host time (a fused launcher's 9 us read 1.37 and 1.33)
     assert 1.0 < got["Qwen3-30B-A3B"] < 1.2
     assert 1.0 < got["Qwen3-30B-A3B re-measured"] < 1.2
+    # the same model at the ModelZoo's layouts (Megatron-MoE-ModelZoo, 256 H100; not fitted): the recipe's
+    # cross-node EP 32 without and with the EP overlap land at the band's edge and inside it; the two intra-node
+    # EP 8 layouts are measured far slower than modelled (docs/PLANS.md says what the model leaves out there)
+    assert 1.1 < got["Qwen3-235B-A22B, EP 32, no EP overlap"] < 1.25
+    assert 1.0 < got["Qwen3-235B-A22B, EP 32, EP overlap"] < 1.2
+    assert 1.7 < got["Qwen3-235B-A22B, PP 32, EP 8, alltoall"] < 1.9
+    assert 1.3 < got["Qwen3-235B-A22B, TP 4, EP 8"] < 1.5
     # Megatron's EP overlap off and on, one layout, one cluster (Megatron-LM PR #6429): megatron_a2a_hidden is
     # the share of the phases' ideal hiding that makes the model's on / off gain the measured 1.077x; the
     # full recomputation's replayed all-to-alls are exposed as Megatron issues them

@@ -31,7 +31,8 @@ BALANCES = ("forced", "random", "natural")
 _MODEL_KEYS = {"model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size"}
 _TRAIN_KEYS = {"seq_len", "micro_batch_size", "global_batch_size"}
-_PARALLEL_KEYS = {"tp", "pp", "ep", "cp", "virtual_stages", "sequence_parallel", "recompute"}
+_PARALLEL_KEYS = {"tp", "pp", "ep", "cp", "virtual_stages", "sequence_parallel", "recompute",
+                  "embedding_and_loss_as_layers"}
 _PUBLISHED_KEYS = {"name", "gpu", "gpus", "figure", "unit", "balance", "source", "mechanisms"}
 
 
@@ -117,12 +118,28 @@ def _gqa_moe_setup(mod: dict, tr: dict, par: dict, gpus: int, name: str) -> Setu
     mbs, gbs = int(tr["micro_batch_size"]), int(tr["global_batch_size"])
     if gbs % (mbs * dp):
         raise PlanError(f"train.global_batch_size ({gbs}) must be a multiple of micro_batch_size x dp ({mbs * dp}).")
-    chunks = balanced_partition(mod["num_hidden_layers"], pp * v)
+    chunks = (_layers_with_embedding_and_loss(mod["num_hidden_layers"], pp * v)
+              if par.get("embedding_and_loss_as_layers") else balanced_partition(mod["num_hidden_layers"], pp * v))
     partition = tuple(sum(chunks[c] for c in range(r, pp * v, pp)) for r in range(pp))
     return Setup(name=name, attn=attn, ffn=ffn, gpus=gpus, tp=tp, cp=cp, pp=pp, virtual_stages=v, ep=ep, dp=dp,
                  micro_batches=gbs // (mbs * dp), micro_batch_size=mbs, seq_len=int(tr["seq_len"]),
                  recompute=par.get("recompute", "none"), sequence_parallel=bool(par.get("sequence_parallel", True)),
                  zero=1, dedup_dispatch=False, gpus_per_node=8, partition=partition, moe_order=True)
+
+
+def _layers_with_embedding_and_loss(n_layers: int, chunks: int) -> list[int]:
+    """Decoder layers per pipeline chunk as Megatron splits them with account_for_embedding_in_pipeline_split
+    and account_for_loss_in_pipeline_split: the embedding and the loss count as one layer each, the
+    n + 2 spread evenly (Megatron requires it to divide), the first chunk's embedding and the last's
+    loss taking a decoder layer's place (Qwen3-235B at PP 8 x v 4: 2, 3 x 30, 2; at PP 32 x v 3: 0,
+    1 x 94, 0)."""
+    if (n_layers + 2) % chunks:
+        raise PlanError(f"embedding_and_loss_as_layers: the {n_layers} layers plus embedding and loss must split "
+                        f"evenly over pp x virtual_stages ({chunks}) chunks.")
+    sizes = [(n_layers + 2) // chunks] * chunks
+    sizes[0] -= 1
+    sizes[-1] -= 1
+    return sizes
 
 
 # ----------------------------------------------------------------------------- the calibration runs
@@ -208,11 +225,16 @@ OVERLAP_CHECK = (
 )
 
 
+# Qwen3-235B-A22B at other layouts and settings, as NVIDIA's Megatron-MoE-ModelZoo measured it on 256 H100
+# (best_practice/qwen3/readme.md): checks of the model, not fitted; the file headers give each row's source
+MODELZOO = tuple(f"published/qwen3_235b_modelzoo_{k}.yaml" for k in ("ep32", "ep32_overlap", "a2a_pp32", "tp4"))
+
+
 def calibration_setups(root: Path, measured: bool = True) -> list[tuple[Published, Setup]]:
     """The four published runs and their setups: the two trainer configs above with their overrides,
     the two published-run files; a cross-check (Qwen3-30B-A3B: the fine-grained MoE layer inside one
-    node, no pipeline); Megatron's EP overlap off and on (OVERLAP_CHECK); then (`measured`) this
-    trainer's own runs on a GPU."""
+    node, no pipeline); Qwen3-235B at the ModelZoo's layouts (MODELZOO); Megatron's EP overlap off and
+    on (OVERLAP_CHECK); then (`measured`) this trainer's own runs on a GPU."""
     from ..resolve import load_config
     from .work import setup_from_config
     out = []
@@ -220,7 +242,7 @@ def calibration_setups(root: Path, measured: bool = True) -> list[tuple[Publishe
         cfg = load_config(str(root / pub.config), list(pub.overrides))
         out.append((pub, setup_from_config(cfg, pub.gpus, name=Path(pub.config).stem)))
     # the cross-check sits in configs/published/ (the README's config table lists configs/*.yaml)
-    for name in ("qwen3_235b_a22b.yaml", "mixtral_8x22b.yaml", "published/qwen3_30b_a3b.yaml"):
+    for name in ("qwen3_235b_a22b.yaml", "mixtral_8x22b.yaml", "published/qwen3_30b_a3b.yaml", *MODELZOO):
         pub, setup = load_published(str(root / "configs" / name))
         pub = dataclasses.replace(pub, config=f"configs/{name}")
         out.append((pub, setup))
