@@ -136,7 +136,7 @@ EFFICIENCY_SOURCES = {
                            "costs the off arm at 0.96x and, hiding each transfer behind its partner's phase, the on "
                            "arm at 1.12x (1.25x the off arm's speed); hiding this share of that reproduces 1.077x "
                            "(0.34 by iteration times). Nothing else is fitted to it: applied to Qwen3-235B's recipe, "
-                           "it reads 0.99x NVIDIA's re-measured 302.0 TFLOP/s, and 1.16x / 1.08x the same layout's "
+                           "it reads 0.99x NVIDIA's re-measured 302.0 TFLOP/s, and 1.20x / 1.10x the same layout's "
                            "Megatron-MoE-ModelZoo runs without / with the overlap (245 / 276)",
     "a2a_latency_us": "0 on the GPUs: no all-to-all latency measured here (a term the model carries: each row "
                       "transfer and each blocking split-size exchange pay it); on CPU ranks the emulated link's "
