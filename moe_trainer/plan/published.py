@@ -230,11 +230,21 @@ OVERLAP_CHECK = (
 MODELZOO = tuple(f"published/qwen3_235b_modelzoo_{k}.yaml" for k in ("ep32", "ep32_overlap", "a2a_pp32", "tp4"))
 
 
+# the same layout without recomputation, overlap off, in the dev PR's own table (Megatron-LM PR #6311: 225.1
+# TFLOP/s per GPU; its full-recompute arms, 184.2 off and 198.5 on at CUDA_DEVICE_MAX_CONNECTIONS 32, repeat
+# #6429's within 1%): what the full recomputation costs
+NO_RECOMPUTE_CHECK = dataclasses.replace(
+    OVERLAP_CHECK[0], name="DeepSeek-V3 proxy, no recompute, EP overlap off (Megatron-LM PR #6311, 64 H100)",
+    figure=225.1, source="Megatron-LM PR #6311 (dev, merged): 'no overlap, no recompute', 225.1 TFLOP/s per GPU",
+    overrides=tuple(o.replace("parallel.recompute=full", "parallel.recompute=none") for o in OVERLAP_CHECK[0].overrides))
+
+
 def calibration_setups(root: Path, measured: bool = True) -> list[tuple[Published, Setup]]:
     """The four published runs and their setups: the two trainer configs above with their overrides,
     the two published-run files; a cross-check (Qwen3-30B-A3B: the fine-grained MoE layer inside one
     node, no pipeline); Qwen3-235B at the ModelZoo's layouts (MODELZOO); Megatron's EP overlap off and
-    on (OVERLAP_CHECK); then (`measured`) this trainer's own runs on a GPU."""
+    on (OVERLAP_CHECK) and that layout without recomputation; then (`measured`) this trainer's own runs
+    on a GPU."""
     from ..resolve import load_config
     from .work import setup_from_config
     out = []
@@ -249,7 +259,7 @@ def calibration_setups(root: Path, measured: bool = True) -> list[tuple[Publishe
         again = remeasured(pub, name)
         if again is not None:
             out.append((again, setup))
-    for pub in OVERLAP_CHECK + (MEASURED if measured else ()):
+    for pub in (NO_RECOMPUTE_CHECK, *OVERLAP_CHECK, *(MEASURED if measured else ())):
         cfg = load_config(str(root / pub.config), list(pub.overrides))
         out.append((pub, setup_from_config(cfg, pub.gpus, name=Path(pub.config).stem)))
     return out
