@@ -91,6 +91,8 @@ class Mechanisms:
                           "fused_glue", "node_dedup", "fp8_dispatch", "grad_accum_fusion", "wgrad_split")
               if getattr(self, n)]
         extra = f", {self.comm_sm_share:.0%} of SMs to communication" if self.comm_sm_share else ""
+        if self.a2a_overlap and self.a2a_hiding == "megatron":
+            extra += ", the all-to-all hidden as Megatron's overlap was measured to hide it"
         return (f"schedule {self.schedule}, GEMMs {self.gemm_dtype}, host {self.host}, "
                 f"{', '.join(on) or 'nothing overlapped'}{extra}")
 
@@ -407,7 +409,7 @@ def stage_a2a_exposure(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, mech: Me
                        imbalance: Optional[float] = None) -> dict:
     """Per step on one rank of `stage`: the all-to-alls' own time ("transfers": the row transfers,
     "split": the split-size exchanges) and what the rank waits for of them, term by term
-    (`a2a_exposure`: "paired", "unpaired", "split", "exposed"), seconds."""
+    (`a2a_exposure`: "paired", "replay", "unpaired", "split", "exposed"), seconds."""
     f = uniform_imbalance(s) if imbalance is None else imbalance
     comm = comm_seconds(s, stage, gpu, eff, f, mech)
     host = host_seconds(s, stage, eff, mech)
