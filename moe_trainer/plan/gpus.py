@@ -137,7 +137,10 @@ EFFICIENCY_SOURCES = {
                            "arm at 1.12x (1.25x the off arm's speed); hiding this share of that reproduces 1.077x "
                            "(0.34 by iteration times). Nothing else is fitted to it: applied to Qwen3-235B's recipe, "
                            "it reads 0.99x NVIDIA's re-measured 302.0 TFLOP/s, and 1.20x / 1.10x the same layout's "
-                           "Megatron-MoE-ModelZoo runs without / with the overlap (245 / 276)",
+                           "Megatron-MoE-ModelZoo runs without / with the overlap (245 / 276). A Megatron-Bridge "
+                           "Nsight trace of the overlap (Qwen3-30B-A3B, EP 16 on 16 H100, HybridEP: "
+                           "skills/nemo-mbridge-perf-expert-parallel-overlap) has 36.55% of the communication time "
+                           "beside compute, at a layout where the phases could hide nearly all of it",
     "a2a_latency_us": "0 on the GPUs: no all-to-all latency measured here (a term the model carries: each row "
                       "transfer and each blocking split-size exchange pay it); on CPU ranks the emulated link's "
                       "debug.link_latency_us (bench.overlap --predict)",
