@@ -131,10 +131,8 @@ def test_a_full_recomputation_replay_sends_its_transfers_exposed_or_none():
     checkpoints the pieces between the all-to-alls, so its replay sends no rows: two thirds of the bytes.
     Without the overlap the replay's transfers are sent and exposed like the rest."""
     from moe_trainer.plan.time import a2a_exposure, comm_seconds, replay_share, trainer_mechanisms
-    cfg = load_config(str(ROOT / "configs/deepseek_v3_671b.yaml"),
-                      ["model.num_hidden_layers=14", "train.seq_len=2048", "train.global_batch_size=256",
-                       "parallel.pp=4", "parallel.ep=16", "parallel.virtual_stages=2", "parallel.dedup_dispatch=false"])
-    s = setup_from_config(cfg, 64)
+    pub = published.OVERLAP_CHECK[0]  # Megatron-LM PR #6429's layout, full recomputation
+    s = setup_from_config(load_config(str(ROOT / pub.config), list(pub.overrides)), pub.gpus)
     assert s.recompute == "full"
     gpu, eff = gpu_named("h100"), Efficiency()
     megatron = Mechanisms(a2a_overlap=True)

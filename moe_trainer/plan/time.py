@@ -299,7 +299,7 @@ def comm_seconds(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, imbalance: flo
     remote = ep_remote_share(s)
     # rank_bytes counts every pass of the MoE blocks (forward, backward, a full recomputation's replay); the
     # replay sends no rows where Mechanisms.replay_a2a is off
-    sent = 2 / 3 if s.recompute == "full" and not mech.replay_a2a else 1.0
+    sent = 1.0 if mech.replay_a2a else 1.0 - _replay_part(s)
     # the dispatch half of the bytes in FP8 when the mechanism says so
     a2a = rb.a2a_bytes * sent * imbalance * ((1 + 0.5) / 2 if mech.fp8_dispatch and s.act_bytes == 2 else 1.0)
     nvlink, net = a2a * (1 - remote), a2a * remote
@@ -362,10 +362,18 @@ def _paired_a2a_exposed(a2a: float, dev: float, attn_share: float, mech: Mechani
     return sum(max(0.0, comm - comp) for comm, comp in slots)
 
 
+def _replay_part(s: Setup) -> float:
+    """Share of rank_bytes' row transfers that are a full recomputation's replay: one of the passes
+    comm._passes counts (forward, backward, replay), a third; 0 without the replay."""
+    from .comm import _passes as passes_of
+    passes = passes_of(s.recompute)
+    return (passes - 2) / passes
+
+
 def replay_share(s: Setup, mech: Mechanisms) -> float:
-    """Share of the row transfers a full recomputation's replay sends (its dispatch and combine, beside
-    the forward's and the backward's: a third), where it sends them (Mechanisms.replay_a2a); else 0."""
-    return 1 / 3 if s.recompute == "full" and mech.replay_a2a else 0.0
+    """Share of the row transfers a full recomputation's replay sends (`_replay_part`), where it sends
+    them (Mechanisms.replay_a2a); else 0."""
+    return _replay_part(s) if mech.replay_a2a else 0.0
 
 
 def hiding_share(eff: Efficiency, mech: Mechanisms) -> float:
@@ -396,9 +404,9 @@ def a2a_exposure(a2a: float, split: float, moe_block: tuple, mech: Mechanisms, h
         return {"paired": 0.0, "replay": 0.0, "unpaired": a2a, "split": split, "exposed": a2a + split}
     # on a CPU rank the held-back weight gradients last their host time too, in the block's proportion
     held *= 1 + host_moe / dev_moe if dev_moe else 1.0
-    pairable = (1 - unpaired) * a2a * (1 - replay)
-    ideal = (1 - unpaired) * n_moe * _paired_a2a_exposed(a2a * (1 - replay) / n_moe, dev_moe + host_moe, attn_share,
-                                                        mech, held)
+    rows = a2a * (1 - replay)  # the transfers the pairs may hide: all but the replay's
+    pairable = (1 - unpaired) * rows
+    ideal = (1 - unpaired) * n_moe * _paired_a2a_exposed(rows / n_moe, dev_moe + host_moe, attn_share, mech, held)
     paired = ideal + (1 - hiding) * (pairable - ideal)
     replayed = (1 - unpaired) * a2a * replay
     return {"paired": paired, "replay": replayed, "unpaired": unpaired * a2a, "split": split,
