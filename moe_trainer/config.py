@@ -168,7 +168,7 @@ class ParallelConfig:
     # expert_placement.json when it exists at start or resume, written by `expert_load.py plan --apply`)
     expert_placement: str = "auto"
     # a2a: the expert all-to-alls of one micro-batch in flight while another computes (parallel/overlap.py;
-    # deepseek_v3, ep > 1, tp = cp = 1, pp = 1 or interleaved 1F1B, no redundant slots); none: every
+    # deepseek_v3, ep > 1, tp = cp = 1, pp = 1 or interleaved 1F1B); none: every
     # all-to-all waited for where it is issued; auto: a2a where it runs on GPUs and the run stays eager
     # (train.compile false), else none (resolve.py check_overlap and overlap_runs, train.resolve_device_settings:
     # a compiled run keeps its measured compiled path; between CPU ranks the shared-memory exchange has nothing
@@ -181,7 +181,8 @@ class ParallelConfig:
     replace_every: int = 0
     replace_policy: str = "auto"
     # redundant slots per EP rank (with replace_every): copies of other ranks' busy experts, routed to like
-    # their owners; weights refreshed once per optimizer step, gradients sent to the owner each backward
+    # their owners; weights refreshed once per optimizer step, gradients summed over the step's micro-batches
+    # and sent to the owner once, before the gradient reduction
     redundant_slots: int = 0
 
 
@@ -483,9 +484,6 @@ def validate(cfg: Config) -> None:
              f"parallel.redundant_slots ({p.redundant_slots}) are copies placed by the online re-placement: they "
              f"need parallel.replace_every > 0 and at most n_routed_experts / ep "
              f"({m.n_routed_experts // max(1, p.ep)}) a rank.")
-    _require(p.redundant_slots == 0 or cfg.train.compile is not True,
-             "parallel.redundant_slots > 0 runs the MoE layers eager (the copies' gradient exchange is not traced); "
-             "set train.compile to auto or false.")
     _require(p.replace_every == 0 or p.expert_placement in ("none", "auto"),
              f"parallel.replace_every places the experts itself; set parallel.expert_placement to none, not "
              f"{p.expert_placement}.")

@@ -85,9 +85,7 @@ def check_overlap(cfg: Config) -> None:
            "stages wait for each other's whole pair, half the steady state's speed (set parallel.virtual_stages >= 2 "
            "for interleaved 1F1B)" if p.pp > 1 and p.virtual_stages == 1 else
            "parallel.tp or parallel.cp > 1: the overlapped executor runs without tensor or context parallelism"
-           if p.tp > 1 or p.cp > 1 else
-           "parallel.redundant_slots > 0: the copies' gradients travel in a blocking exchange inside the expert "
-           "stage's backward" if p.redundant_slots else None)
+           if p.tp > 1 or p.cp > 1 else None)
     if p.overlap == "auto":
         p.overlap = "auto" if why is None else "none"
         return

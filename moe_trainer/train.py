@@ -200,8 +200,9 @@ def resolve_device_settings(cfg, device) -> None:
     # run asks for it with parallel.overlap=a2a (the benches, the tests)
     settle_overlap(cfg, device.type)
     if cfg.train.compile == "auto":
-        # redundant slots' copies run eager; an overlapped run (parallel.overlap a2a, asked for) compiles its
-        # sub-layer regions (compile.py) only when train.compile is true: no GPU has measured them yet
+        # an overlapped run (parallel.overlap a2a, asked for) compiles its sub-layer regions (compile.py) only
+        # when train.compile is true: no GPU has measured them yet. Nor a run with redundant slots: a new copy
+        # layout may recompile the MoE layers (CPU ranks, copies rotated every step: 5 of 13 moves, 0.7-3.6 s each)
         cfg.train.compile = device.type == "cuda" and cfg.parallel.overlap == "none" and not cfg.parallel.redundant_slots
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 tensor cores for fp32 GEMMs

@@ -13,6 +13,7 @@ observers.Observers (metrics, TensorBoard, noise scale, expert-load summaries).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import signal
@@ -144,17 +145,22 @@ class Trainer:
         # ZeRO's gradient reductions and parameter gathers, counted like the all-to-alls
         # (where edp and dpcp are one group, at ep 1, its traffic counts as dp)
         count_deepspeed_collectives(self.comm, {mesh.group("edp"): "edp", mesh.group("dpcp"): "dp"})
-        self.executor = self._build_executor() if self.pipelined else None
         link.configure(cfg.debug.link_gbps, cfg.debug.link_latency_us)
-        # parallel.overlap=a2a: micro-batch pairs with their all-to-alls overlapped (pp > 1: in the executor)
-        self.overlap = OverlapExecutor(self.engine, self.engine.module, self.layout.grad_accum, mesh.group("ep"),
-                                       self.comm, self.clock, cfg.parallel.recompute) \
-            if cfg.parallel.overlap == "a2a" and not self.pipelined else None
         self.expert_load = ExpertLoadTracker(cfg.model, self.model, mesh, device)  # and the bias update
         self.slots, self.replacer = None, None  # slot-owned experts that move (parallel.replace_every)
         if cfg.parallel.replace_every:
+            grad_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 and cfg.train.grad_accum_dtype == "bf16" \
+                else torch.float32  # the copies' gradient sums accumulate as the run's gradients do
             self.slots = SlotExperts(self.expert_load.moe, len(self.expert_load.layer_ids), cfg.model.n_routed_experts,
-                                     mesh, cfg.parallel.redundant_slots, device)
+                                     mesh, cfg.parallel.redundant_slots, device, grad_dtype)
+        # with redundant slots, after the step's last backward: the copies' gradients to their owners
+        self.before_reduce = functools.partial(self.slots.hand_back, self.engine) \
+            if cfg.parallel.redundant_slots else None
+        self.executor = self._build_executor() if self.pipelined else None
+        # parallel.overlap=a2a: micro-batch pairs with their all-to-alls overlapped (pp > 1: in the executor)
+        self.overlap = OverlapExecutor(self.engine, self.engine.module, self.layout.grad_accum, mesh.group("ep"),
+                                       self.comm, self.clock, cfg.parallel.recompute, self.before_reduce) \
+            if cfg.parallel.overlap == "a2a" and not self.pipelined else None
         self.loss_keys = loss_keys(cfg.model)
         self.step = 0
         self.peak, self.peak_source = peak_tflops(cfg.metrics.peak_tflops, self.dtype, device)
@@ -332,7 +338,8 @@ class Trainer:
         return PipelineExecutor(self.engine, self.model, self.mesh, self.layout.grad_accum,
                                 (t.micro_batch_size, tokens, width), self.dtype, self.device, schedule=p.schedule,
                                 trace=self.trace, counter=self.comm, clock=self.clock,
-                                overlap=(self.mesh.group("ep"), p.recompute) if p.overlap == "a2a" else None)
+                                overlap=(self.mesh.group("ep"), p.recompute) if p.overlap == "a2a" else None,
+                                before_reduce=self.before_reduce)
 
     def train_step(self) -> dict:
         set_lr(self.engine, get_lr(self.step, self.cfg.train) * self.guards.lr_factor(self.step + 1))
@@ -353,7 +360,16 @@ class Trainer:
             if poison:
                 out.loss, out.losses["lm"] = out.loss * float("nan"), out.losses["lm"] * float("nan")
             tc = self.clock.mark()
-            self.engine.backward(out.loss)
+            if self.before_reduce is None:
+                self.engine.backward(out.loss)
+            else:  # the boundary after before_reduce, not in the last backward
+                last = micro + 1 == self.layout.grad_accum
+                self.engine.set_gradient_accumulation_boundary(False)
+                self.engine.backward(out.loss)
+                if last:
+                    self.before_reduce()
+                    self.engine.set_gradient_accumulation_boundary(True)
+                    self.engine.allreduce_gradients()
             td = self.clock.mark()
             self.engine.step()  # the optimizer step happens at the accumulation boundary
             marks.append((ta, tb, tc, td, self.clock.mark()))

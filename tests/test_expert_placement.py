@@ -171,7 +171,8 @@ def _copies_errors(rank, world, force, dedup, xs, ref, ref_out, x_ref) -> list[s
     """Slot-owned experts at home with 2 redundant slots a rank (parallel.replace_every): rank 0's hold
     nothing and expert 4, rank 1's experts 2 and 1 (received in the other order); each rank's tokens for
     them take its copies. The owned and the copy slots run as two kernel calls (MoE._run_experts) on the
-    CPU kernels, on the accelerator's with dedup; the copies' gradients go home (_CopyRows)."""
+    CPU kernels, on the accelerator's with dedup; the copies' gradients, summed on their holder, go home
+    after the backward (copy_grads_to_owners), added to the owners' as the trainer's hand-back does."""
     from moe_trainer import kernels
     from moe_trainer.parallel import slots
     with kernels.using("accelerator" if dedup else "cpu"):
@@ -181,6 +182,9 @@ def _copies_errors(rank, world, force, dedup, xs, ref, ref_out, x_ref) -> list[s
     x = xs[rank].clone().requires_grad_()
     out, _ = layer(x)
     out.pow(2).sum().backward()
+    assert layer.dispatcher.counter.sent.get("expert_copies_grad", 0) == 0  # nothing sent inside the backward
+    for w, g in layer.dispatcher.copy_grads_to_owners():
+        w.grad += g
     copied = layer.dispatcher.counter.sent.get("expert_copies_grad", 0)
     return ep_layer_parity_errors(layer, ref, out, ref_out, x, x_ref, rank, world, 3, E) + (
         [] if copied == [1, 2][rank] * 3 * H * D * 4 else [f"copies' gradient bytes sent: {copied}"])

@@ -74,9 +74,9 @@ class MoE(nn.Module):
             # the same expert maths with the weights of this rank's physical slots (a placement plan)
             return torch.func.functional_call(self.experts, d.weights, (d.x, d.counts, d.gate))
         # slot-owned experts with copies: two grouped calls, the owned slots' rows with the parameters as
-        # they are (no gather; leaf weights, so their gradients may be held back, kernels/wgrad.py), the
-        # copies' rows with the copies (always called, if with no row: the copies' gradients go back to
-        # their owners on every rank); split, not sliced (a slice's backward makes a zero tensor of the whole size)
+        # they are (no gather; parameters, so their gradients may be held back, kernels/wgrad.py), the
+        # copies' rows with the copies (always called, if with no row: every step's copies get a gradient
+        # sum, zeros if no row); split, not sliced (a slice's backward makes a zero tensor of the whole size)
         sizes, s0 = [d.own_rows, d.x.shape[0] - d.own_rows], self.experts.n_local
         x, counts = d.x.split(sizes), d.counts.split([s0, d.counts.shape[0] - s0])
         gate = d.gate.split(sizes) if d.gate is not None else (None, None)

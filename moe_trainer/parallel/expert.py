@@ -37,9 +37,13 @@ With slot-owned experts (`parallel.replace_every`, slots.py) the placement is
 so tokens are routed to slots the same way and nothing is fetched. Redundant
 slots (`parallel.redundant_slots`) hold copies of other ranks' experts: their
 weights are a cache refreshed once per optimizer step (refresh_cache, one
-all-to-all of weight rows), and each backward sends the copies' gradients to
-the owners (_CopyRows), so an expert has one set of parameters and optimizer
-state however many copies route tokens. A rank's slots are its S0 owned slots
+all-to-all of weight rows). The copies are leaves of autograd: each backward
+adds their gradients into a sum kept on the holder (in the step's accumulation
+dtype), and once per step, after the last backward and before the gradient
+reduction, the sums go to the owners (copy_grads_to_owners: the refresh's
+exchange reversed), so an expert has one set of parameters and optimizer state
+however many copies route tokens, and no backward waits for a collective of
+its own (the overlapped executor hides the MoE all-to-alls around it). A rank's slots are its S0 owned slots
 (parameter rows 0..S0-1, in order) then its r redundant ones, and rows arrive
 sorted by slot, so the owned slots' rows come first: the experts run as two
 kernel calls (MoE._run_experts), those rows against the parameters and the rest
@@ -52,6 +56,7 @@ every rank.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -135,30 +140,6 @@ class _DedupCtx:
     n_tokens: int
 
 
-class _CopyRows(torch.autograd.Function):
-    """The redundant slots' copies as a function of their owners' weights: forward returns the cache (the
-    owners' rows as of the last refresh, which is every optimizer step: (r, 2H, d) and (r, d, H) in slot
-    order, as they are, no copy), backward sends each copy's gradient to its owner, where it is summed into
-    the owned row (one all-to-all over the EP group, the refresh's reversed; an empty slot's gradient, zero,
-    stays here). Every rank of the group makes this node in the same place of the same layer, so backward
-    (reverse creation order) enters the collective in the same order everywhere."""
-
-    @staticmethod
-    def forward(ctx, w1, w2, c1, c2, p: LayerPlacement, group, counter):
-        ctx.p, ctx.group, ctx.counter, ctx.shapes = p, group, counter, (w1.shape, w2.shape)
-        return c1.view_as(c1), c2.view_as(c2)
-
-    @staticmethod
-    def backward(ctx, g1, g2):
-        p, (s1, s2) = ctx.p, ctx.shapes
-        grad = torch.cat([g1[p.copy_slot].flatten(1), g2[p.copy_slot].flatten(1)], 1)  # received order
-        back = _exchange(grad, p.send_splits, p.recv_splits, ctx.group, ctx.counter, "expert_copies_grad")
-        split = s1[1:].numel()  # each weight's gradient contiguous, as autograd accumulates it
-        d1 = grad.new_zeros(s1).view(s1[0], -1).index_add_(0, p.send_index, back[:, :split]).view(s1)
-        d2 = grad.new_zeros(s2).view(s2[0], -1).index_add_(0, p.send_index, back[:, split:]).view(s2)
-        return d1, d2, None, None, None, None, None
-
-
 class AllToAllDispatcher:
     """Same interface as LocalDispatcher; experts receive rows grouped by local expert, or by local
     physical slot under a placement plan (then `experts`, the layer's experts module, is required:
@@ -169,8 +150,10 @@ class AllToAllDispatcher:
                  placement: Optional[LayerPlacement] = None, experts: Optional[Experts] = None):
         self.n_experts, self.ep, self.group = n_experts, ep, group
         self.placement, self.experts = placement, experts
-        # redundant slots' copies (slot-owned experts): (r, 2H, d), (r, d, H) in slot order, refresh_cache
+        # redundant slots' copies (slot-owned experts): (r, 2H, d), (r, d, H) in slot order, leaves of autograd
+        # (refresh_cache), and the sums of their gradients since the last hand-back (_sum_copy_grad)
         self.cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.copy_grads: list[Optional[torch.Tensor]] = [None, None]
         self.capacity_factor = capacity_factor
         self.counter = counter
         self.dedup = dedup
@@ -315,9 +298,11 @@ class AllToAllDispatcher:
             return received, meta, self._copies()
         return received, meta, None
 
-    def refresh_cache(self) -> int:
+    def refresh_cache(self, grad_dtype: torch.dtype = torch.float32) -> int:
         """The redundant slots' copies made their owners' weights now (slot-owned experts with copies, once
-        per optimizer step and after a move): one all-to-all of weight rows. Returns the bytes sent."""
+        per optimizer step and after a move): one all-to-all of weight rows. The copies are new leaves of
+        autograd whose gradients each backward adds into a sum in `grad_dtype` (the run's accumulation
+        dtype), cleared here. Returns the bytes sent."""
         w1, w2 = self.experts.gate_up_proj, self.experts.down_proj
         p = self.placement.on(w1.device)
         with torch.no_grad():
@@ -328,19 +313,44 @@ class AllToAllDispatcher:
             c1, c2 = w1.new_zeros((r,) + tuple(w1.shape[1:])), w2.new_zeros((r,) + tuple(w2.shape[1:]))
             c1.view(r, -1).index_copy_(0, p.copy_slot, got[:, :split])
             c2.view(r, -1).index_copy_(0, p.copy_slot, got[:, split:])
-            self.cache = (c1, c2)
+        self.cache = (c1.requires_grad_(), c2.requires_grad_())
+        self.copy_grads = [None, None]
+        for i, c in enumerate(self.cache):
+            c.register_post_accumulate_grad_hook(functools.partial(self._sum_copy_grad, i, grad_dtype))
         return rows.numel() * rows.element_size()
 
+    def _sum_copy_grad(self, i: int, dtype: torch.dtype, copy: torch.Tensor) -> None:
+        """A backward's gradient of copy weight i (autograd's hook, after it accumulated it into .grad) added
+        into the step's sum, and .grad freed: the sum is what copy_grads_to_owners sends. (The copies'
+        weight gradients are made in their backward, never held back: kernels/wgrad.py.)"""
+        g, copy.grad = copy.grad, None
+        acc = self.copy_grads[i]
+        self.copy_grads[i] = g.to(dtype, copy=True) if acc is None else acc.add_(g)
+
+    @torch.no_grad()
+    def copy_grads_to_owners(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The step's summed gradients of this rank's copies sent to their owners (one all-to-all over the EP
+        group, the refresh's reversed, in the weights' dtype; every rank of the group calls it for the same
+        layers), after the step's last backward and before its gradient reduction. Returns [(expert
+        weight, gradient to add to it)]: zeros but the rows of experts that other ranks hold copies of,
+        each the sum of its copies' gradients. The sums are cleared."""
+        w1, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        p = self.placement.on(w1.device)
+        sums = [torch.zeros_like(c, dtype=w1.dtype) if g is None else g for c, g in zip(self.cache, self.copy_grads)]
+        self.copy_grads = [None, None]
+        rows = torch.cat([g[p.copy_slot].flatten(1).to(w.dtype) for g, w in zip(sums, (w1, w2))], 1)  # received order
+        back = _exchange(rows, p.send_splits, p.recv_splits, self.group, self.counter, "expert_copies_grad")
+        split = w1[0].numel()
+        return [(w, w.new_zeros(w.shape).view(w.shape[0], -1).index_add_(0, p.send_index, part).view(w.shape))
+                for w, part in ((w1, back[:, :split]), (w2, back[:, split:]))]
+
     def _copies(self) -> dict[str, torch.Tensor]:
-        """The weights of this rank's r redundant slots for the forward, in slot order: the cache itself, no
-        exchange and no copy; backward sends their gradients to the owners (_CopyRows)."""
+        """The weights of this rank's r redundant slots for the forward, in slot order: the cache itself (leaves:
+        no exchange, no copy; their gradients are summed here until copy_grads_to_owners)."""
         if self.cache is None:
             raise RuntimeError("the redundant slots' copies were not refreshed after the placement changed "
                                "(SlotExperts.refresh)")
-        p = self.placement.on(self.cache[0].device)
-        c1, c2 = _CopyRows.apply(self.experts.gate_up_proj, self.experts.down_proj, *self.cache, p, self.group,
-                                 self.counter)
-        return {"gate_up_proj": c1, "down_proj": c2}
+        return {"gate_up_proj": self.cache[0], "down_proj": self.cache[1]}
 
     def _weight_rows(self) -> torch.Tensor:
         """(sent experts, 3 * H * d): this rank's experts that other ranks' slots need, destination-major."""

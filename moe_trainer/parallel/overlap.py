@@ -230,10 +230,14 @@ class OverlapExecutor(StagedPair):
     """One optimizer step at pp = 1 with the EP all-to-alls overlapped (see the module's docstring)."""
 
     def __init__(self, engine, model: nn.Module, micro_batches: int, group, counter=None,
-                 clock: Optional[StepClock] = None, recompute: str = "none"):
+                 clock: Optional[StepClock] = None, recompute: str = "none",
+                 before_reduce: Optional[Callable[[], None]] = None):
+        """before_reduce: run after the step's last backward, before the gradient reduction (the redundant
+        slots' gradients to their owners: slots.SlotExperts.hand_back)."""
         super().__init__(engine, micro_batches, group, counter, clock)
         self.stages = stage_functions(model, recompute)
         self.poison = False
+        self.before_reduce = before_reduce
 
     def _forward_poisoned(self, inputs: dict, out: list):
         yield from self._forward(inputs, out, self.stages)
@@ -272,6 +276,8 @@ class OverlapExecutor(StagedPair):
             else:
                 self._run(backward(i))
             records[i] = None
+        if self.before_reduce is not None:
+            self.before_reduce()
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.allreduce_gradients()
         self.engine.step()

@@ -391,15 +391,18 @@ class PipelineExecutor:
     def __init__(self, engine, stage: PipelineStage, mesh, micro_batches: int, carried_shape: tuple,
                  dtype: torch.dtype, device: torch.device, schedule: str = "1f1b", trace: Optional[Trace] = None,
                  meter: Optional[ActivationMeter] = None, counter=None, clock: Optional[StepClock] = None,
-                 overlap: Optional[tuple] = None):
+                 overlap: Optional[tuple] = None, before_reduce: Optional[Callable[[], None]] = None):
         """overlap: (EP group, parallel.recompute) for parallel.overlap=a2a: each steady (backward,
         forward) pair runs interleaved at sub-layer granularity (overlap.StagedPair), each all-to-all
-        of one in flight while the other computes; warm-up and cool-down run as before."""
+        of one in flight while the other computes; warm-up and cool-down run as before.
+        before_reduce: run after the step's last backward, before the gradient reduction (the redundant
+        slots' gradients to their owners: slots.SlotExperts.hand_back)."""
         if getattr(getattr(engine, "optimizer", None), "overlap_comm", False):
             # with it ZeRO-1 reduces in its gradient hooks during a boundary backward only, and then
             # allreduce_gradients (reduce_and_step, after the backwards) would reduce nothing
             raise ValueError("the pipeline executor needs ZeRO's overlap_comm off (zero.py never sets it)")
         self.engine, self.stage, self.mesh = engine, stage, mesh
+        self.before_reduce = before_reduce
         self.clock = clock or StepClock(device)
         self.m = micro_batches
         self.v = len(stage.chunks)
@@ -534,8 +537,10 @@ class PipelineExecutor:
         drain (stage s - 1 waits for stage s's last input gradient, s - 2 for s - 1's, ...); after its
         send a stage reduces while the stages before it still run their last backwards. The optimizer
         step comes last: its gradient norm is a collective over every stage."""
-        self.engine.set_gradient_accumulation_boundary(True)
         t0 = self.clock.mark()
+        if self.before_reduce is not None:
+            self.before_reduce()
+        self.engine.set_gradient_accumulation_boundary(True)
         self.engine.allreduce_gradients()  # what DeepSpeed's backward epilogue runs at the boundary
         _, i, c = self.boundary
         self.trace.record("reduce", i, t0, self.clock.mark(), c)

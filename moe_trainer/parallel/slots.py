@@ -21,13 +21,17 @@ whose expert stays on its rank keep their place; the rank's free slots take the 
 Redundant slots (`parallel.redundant_slots` r a rank): copies of other ranks' experts that tokens are
 routed to like their owners (a sender's own copy first, else round-robin over the expert's slots). A
 copy is not a parameter: its weights are a cache that every rank refreshes after each optimizer step
-and each move (one all-to-all of weight rows per layer with copies, `refresh`), and its gradients go
-back to the owner in each backward (expert.py _CopyRows), where autograd sums them into the one owned
-row. So an expert has one set of weights, fp32 master and moments however many copies it has: they
-cannot drift apart, ZeRO's flat buffers and the gradient norm are those of the run without copies,
-and a copy costs its weights (no 12 bytes a parameter of optimizer state). The price is the copies'
-gradient rows every micro-batch; a saved checkpoint first checks every copy bit for bit against its
-owner. The search fills the copies greedily (copy_slots) after placing the owned slots.
+and each move (one all-to-all of weight rows per layer with copies, `refresh`). Its gradients are
+summed on its holder over the step's micro-batches (in the run's gradient accumulation dtype) and go
+to the owner once per step, after the last backward and before ZeRO's reduction (`hand_back`: one
+all-to-all of gradient rows per layer with copies, the refresh's reversed), where one more
+engine.backward adds them to the owned rows as DeepSpeed's hooks and accumulation see every gradient.
+So an expert has one set of weights, fp32 master and moments however many copies it has: they cannot
+drift apart, ZeRO's flat buffers and the gradient norm are those of the run without copies, and a
+copy costs its weights and its gradient sum (no 12 bytes a parameter of optimizer state). No backward
+runs a collective of its own, so the copies run under the overlapped executor too
+(`parallel.overlap`). A saved checkpoint first checks every copy bit for bit against its owner. The
+search fills the copies greedily (copy_slots) after placing the owned slots.
 
 Checkpoints stay keyed by expert id: a save moves every expert home first and back after
 (`at_home`), a load resets the tables to home (the loaded rows are in id order).
@@ -53,6 +57,7 @@ import torch.distributed as dist
 from ..moe.placement import rebalance_experts, replica_candidates
 from .comm import all_to_all_rows
 from .replicas import LayerPlacement
+from .surrogate import hand_over
 
 POLICIES = ("auto", "always", "rotate")
 STATES = ("weight", "fp32", "exp_avg", "exp_avg_sq")  # what moves with a slot
@@ -251,11 +256,12 @@ class SlotExperts:
     slots of each EP rank (`copies`, ep * r ids a layer, -1 = empty)."""
 
     def __init__(self, layers: list, n_layers: int, n_experts: int, mesh, redundant: int = 0,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), grad_dtype: torch.dtype = torch.float32):
         self.layers, self.mesh = layers, mesh
         self.ep, self.rank = mesh.layout.ep, mesh.index("ep")
         self.n_experts, self.redundant = n_experts, redundant
         self.device = device  # where the world's collectives take their tensors (NCCL: the rank's GPU)
+        self.grad_dtype = grad_dtype  # the copies' gradient sums: the run's gradient accumulation dtype
         self.rows = [home_row(n_experts) for _ in range(n_layers)]
         self.copies = [self.no_copies() for _ in range(n_layers)]
 
@@ -271,7 +277,7 @@ class SlotExperts:
             plain = self.rows[i] == home_row(self.n_experts) and all(e < 0 for e in self.copies[i])
             layer.dispatcher.placement = None if plain else owned_placement(self.rows[i], self.ep, self.rank,
                                                                            self.copies[i])
-            layer.dispatcher.cache = None
+            layer.dispatcher.cache, layer.dispatcher.copy_grads = None, [None, None]
 
     def reset_home(self) -> None:
         self.set_tables([home_row(self.n_experts) for _ in self.rows])
@@ -281,20 +287,31 @@ class SlotExperts:
         """Every copy in a redundant slot made its owner's weights again (after an optimizer step or a move):
         one all-to-all of weight rows over the EP group per MoE layer with copies (the same layers on every
         rank of the group). Returns the bytes this rank sent."""
-        return sum(layer.dispatcher.refresh_cache() for _, layer in self.layers
-                   if layer.dispatcher.placement is not None and layer.dispatcher.placement.cached)
+        return sum(d.refresh_cache(self.grad_dtype) for d in self._holding())
+
+    def _holding(self) -> list:
+        """The dispatchers of this stage's MoE layers that hold copies (the same layers on every rank of the
+        EP group), in layer order."""
+        return [layer.dispatcher for _, layer in self.layers
+                if layer.dispatcher.placement is not None and layer.dispatcher.placement.cached]
+
+    def hand_back(self, engine) -> None:
+        """The copies' gradients of the step to their owners, after the step's last backward and before the
+        gradient reduction (the executors' `before_reduce`): per MoE layer with copies one all-to-all of the
+        summed gradient rows, then one engine.backward (not the accumulation boundary) that adds them to the
+        owned weights, so DeepSpeed's hooks and fp32 accumulation take them as they take every gradient.
+        One layer at a time: the gradients to add are as large as the rank's expert weights of a layer."""
+        for d in self._holding():
+            hand_over(engine, d.copy_grads_to_owners())
 
     @torch.no_grad()
     def replica_mismatch(self) -> int:
         """Redundant slots whose weights differ (bit for bit) from their owner's now, over this rank's layers:
         a fresh copy of every owned row is fetched and compared with the cache (collective, as refresh)."""
         bad = 0
-        for _, layer in self.layers:
-            d = layer.dispatcher
-            if d.placement is None or not d.placement.cached:
-                continue
+        for d in self._holding():
             cache = d.cache
-            d.refresh_cache()  # (r, 2H, d), (r, d, H) in slot order: a slot differs if either weight does
+            d.refresh_cache(self.grad_dtype)  # (r, 2H, d), (r, d, H) in slot order: a slot differs if either does
             bad += int(((cache[0] != d.cache[0]).flatten(1).any(1) | (cache[1] != d.cache[1]).flatten(1).any(1)).sum())
         return bad
 
@@ -389,14 +406,13 @@ class Replacer:
         p, m = cfg.parallel, cfg.model
         self.every, self.policy, self.max_steps = p.replace_every, p.replace_policy, cfg.train.max_steps
         self.redundant, self.rotations = p.redundant_slots, 0
-        self.micro_batches = slots.mesh.layout.grad_accum
         self.last_wall = 0.0  # wall time of the last move applied (rank 0): the cost's floor
         self.n_layers, self.n_experts, self.ep = len(slots.rows), m.n_routed_experts, slots.ep
         self.edp = max(1, slots.mesh.size("edp"))
         expert_numel = 3 * m.hidden_size * m.moe_intermediate_size
         elem = 2 if cfg.train.dtype == "bf16" else 4
         self.expert_bytes = expert_numel * (elem + 3 * 4)  # weights, fp32 master, two moments
-        self.copy_bytes = expert_numel * elem  # a copy's refresh (a step) or its gradient (a micro-batch)
+        self.copy_bytes = expert_numel * elem  # a copy's refresh or its summed gradient (each once a step)
         # one routed row through one expert, forward and backward: 3 GEMMs x 2 flops x 3 passes
         self.row_seconds = 18 * expert_numel / (peak_tflops * 1e12)
         self.link_bytes_s = Links().nvlink_gbps * 1e9 / 8
@@ -465,10 +481,9 @@ class Replacer:
         # at the planner's link rate, or what the last move measured if more (on CPU ranks the copies and
         # the optimizer state's edp all-reduces, not the link, set the pace)
         cost_s = max(max(per_rank) * self.expert_bytes / self.link_bytes_s, self.last_wall)
-        # copies cost every step: their refresh and, each micro-batch, their gradients back to the owner
+        # copies cost every step: their refresh and their summed gradients back to the owner
         held, held_now = most_copies(copies, self.ep, self.redundant), most_copies(cur_copies, self.ep, self.redundant)
-        copy_s = (held - held_now) * n_copy_layers(copies) * self.copy_bytes * (1 + self.micro_batches) \
-            * self.every / self.link_bytes_s
+        copy_s = (held - held_now) * n_copy_layers(copies) * self.copy_bytes * 2 * self.every / self.link_bytes_s
         cost_s += max(0.0, copy_s)
         if new == cur and copies == cur_copies:
             decision, reason = "keep", "the search finds the current placement"

@@ -1,5 +1,6 @@
 """The scalar an inner pipeline stage's backward runs from (the pipeline executor's and the overlapped
-pairs' backward: pipeline.py, overlap.py), in a module of its own so that both import it one way."""
+pairs' backward: pipeline.py, overlap.py), and the hand-over of gradients made outside a backward
+(the redundant slots' copies', slots.py), in a module of its own so that all import it one way."""
 from __future__ import annotations
 
 from typing import Optional
@@ -33,3 +34,12 @@ def backward_surrogate(out: torch.Tensor, grad: torch.Tensor, aux: Optional[torc
     buffer, plus this stage's auxiliary loss with the 1/m that grad already carries for the LM loss."""
     loss = _OutputGradient.apply(out, grad)
     return loss if aux is None else loss + aux / micro_batches
+
+
+def hand_over(engine, grads: list) -> None:
+    """Gradients made outside autograd's backward ([(parameter, gradient)], each in its parameter's dtype and
+    shape) added to their parameters by one engine.backward (not the accumulation boundary: the caller
+    reduces after it), so DeepSpeed's hooks and accumulation take them as they take every gradient. The
+    gradients are consumed (scaled in place, by 1)."""
+    if grads:
+        engine.backward(sum(_OutputGradient.apply(w, g) for w, g in grads), scale_wrt_gas=False)
