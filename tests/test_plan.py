@@ -350,19 +350,23 @@ def test_bf16_plans_count_fp32_gradients_unless_accumulated_in_bf16():
     a, b = fp32_grads.stages[0], bf16_grads.stages[0]
     assert within(a.states.grads, 2 * b.states.grads, 1e-9)  # 4 bytes per parameter instead of 2
     assert within(a.comm.dense_dp.all_reduce, 2 * b.comm.dense_dp.all_reduce, 1e-9)  # reduced in fp32
-    # redundant slots (2 a rank) add, per MoE layer, 2 copies' weights (kept) and 2 gradient rows in a layer's
-    # backward; no slot weights per micro-batch in flight (the kernels take the parameters and the copies as
-    # they are, MoE._run_experts): one expert row is 3 x 2048 x 1024 bf16. Stage 0: 8 MoE layers; stage 1: 7.
+    # redundant slots (2 a rank) add, per MoE layer, 2 copies' weights (kept, bf16) and their gradients summed
+    # over the step (fp32: the run's accumulation dtype) beside the activations; no slot weights per micro-batch
+    # in flight (the kernels take the parameters and the copies as they are, MoE._run_experts): one expert row
+    # is 3 x 2048 x 1024 bf16. Stage 0: 8 MoE layers; stage 1: 7. After the last backward, one layer's hand-back
+    # adds its owned rows' gradients twice (24 experts / ep 8 = 3 rows, bf16) to the sums.
     # (The dry run of this config: docs/BENCHMARKS_ep.md "Redundant slots".)
     row, sets = 3 * 2048 * 1024 * 2, ["train.dtype=bf16", "parallel.replace_every=1"]
     modes = ("selective", "full")
     plans = {(rc, r): plan.make_plan(load_config("configs/moe_1b_16gpu.yaml", sets + [
         f"parallel.recompute={rc}", f"parallel.redundant_slots={r}"]), 16) for rc in modes for r in (0, 2)}
     added = {rc: [c.total - b.total for b, c in zip(plans[rc, 0].stages, plans[rc, 2].stages)] for rc in modes}
-    assert added["selective"] == [(8 * 2 + 2) * row, (7 * 2 + 2) * row]
-    assert [s.copies.activations for s in plans["full", 2].stages] == [2 * row] * 2
-    # full recomputation: stage 0's activations stay under its gradient buckets (only the copies' weights add)
-    assert added["full"] == [8 * 2 * row, (7 * 2 + 2) * row]
+    assert added["selective"] == [(8 * 2 + 8 * 2 * 2) * row, (7 * 2 + 7 * 2 * 2) * row]
+    assert [s.copies.activations for s in plans["full", 2].stages] == [8 * 2 * 2 * row, 7 * 2 * 2 * row]
+    assert [s.copies.after_backward for s in plans["full", 2].stages] == [(32 + 6) * row, (28 + 6) * row]
+    # full recomputation: stage 0's activations and sums stay under its gradient buckets (only the copies'
+    # weights add); stage 1's activations bind with or without copies
+    assert added["full"] == [8 * 2 * row, (7 * 2 + 7 * 2 * 2) * row]
 
 
 def test_llama3_405b_fits_80gb_with_metas_choices():

@@ -45,7 +45,7 @@ class StagePlan:
     states: ModelStateBytes  # under the plan's ZeRO stage and precision
     activations: StageActivations
     activation_bytes: float  # under the config's parallel.recompute
-    total: float  # states + copies.cache + max(activation_bytes, grad_reduce)
+    total: float  # states + copies.cache + max(activation_bytes, copies.after_backward, grad_reduce)
     comm: StageComm
     nodes: dict = dataclasses.field(default_factory=dict)  # kind -> NodeTraffic (inside / across nodes, time)
     comm_seconds: float = 0.0  # the kinds' times added up (no overlap with compute or each other assumed)
@@ -143,7 +143,8 @@ def _stage_plan(cfg: Config, st: _Setting, partition: list[int], stage: int, par
     mtp = mtp_layers(cfg.model) if stage == len(partition) - 1 else 0
     reduce = grad_reduce_bytes(params, st.precision) if st.zero < 2 else 0.0
     return StagePlan(stage, partition[stage], moe, mtp, params, states, acts, act,
-                     states.total + copies.cache + max(act, reduce), comm, grad_reduce=reduce, copies=copies)
+                     states.total + copies.cache + max(act, copies.after_backward, reduce), comm, grad_reduce=reduce,
+                     copies=copies)
 
 
 def layout_on(cfg: Config, gpus: int, gpus_per_node: Optional[int] = None) -> Layout:

@@ -105,17 +105,27 @@ class CopyBytes:
         the next (the dispatcher's `cache`, in slot order). The expert kernels take the owned slots' rows
         with the parameters and the copies' rows with the cache as they are (MoE._run_experts: two calls),
         so a micro-batch in flight saves no weights of its own for its backward;
-    grad_rows: during a MoE layer's backward, the r copies' gradient rows (the copies' kernel call's weight
-        gradient) until _CopyRows returns them to their owners.
+    grad_sums: the copies' gradients summed over the step's micro-batches, r rows a MoE layer in the
+        gradient accumulation dtype, from a layer's first backward until the step's hand-back;
+    hand_back: after the last backward, one layer's gradients for its owned rows (E / ep of them, model
+        dtype) made from the received sums, and autograd's accumulation of them (SlotExperts.hand_back:
+        one layer at a time, before the gradient reduction).
     """
 
     cache: float = 0.0
-    grad_rows: float = 0.0
+    grad_sums: float = 0.0
+    hand_back: float = 0.0
 
     @property
     def activations(self) -> float:
         """What lives beside the activations (the rest, the cache, is there all the time)."""
-        return self.grad_rows
+        return self.grad_sums
+
+    @property
+    def after_backward(self) -> float:
+        """What lives after the activations are gone and before the gradient reduction: the sums and one
+        layer's hand-back."""
+        return self.grad_sums + self.hand_back if self.grad_sums else 0.0
 
 
 def copy_bytes(cfg: Config, moe_blocks: int, prec: Precision) -> CopyBytes:
@@ -124,8 +134,9 @@ def copy_bytes(cfg: Config, moe_blocks: int, prec: Precision) -> CopyBytes:
     r = p.redundant_slots
     if not r or not moe_blocks:
         return CopyBytes()
-    row = 3 * m.hidden_size * m.moe_intermediate_size / p.tp * prec.param_bytes  # one expert, model dtype
-    return CopyBytes(cache=moe_blocks * r * row, grad_rows=r * row)
+    row = 3 * m.hidden_size * m.moe_intermediate_size / p.tp  # one expert's elements
+    return CopyBytes(cache=moe_blocks * r * row * prec.param_bytes, grad_sums=moe_blocks * r * row * prec.grad_bytes,
+                     hand_back=2 * m.n_routed_experts // p.ep * row * prec.param_bytes)
 
 
 # ----------------------------------------------------------------------------- activation memory

@@ -83,7 +83,7 @@ def peak_memory(cfg: Config, gpus: int, node: int, partition: list[int], zero: i
         act = acts.full_recompute if p.recompute == "full" else acts.no_recompute
         moe = sum(is_moe_layer(cfg.model, i) for i in _stage_blocks(cfg.model, partition, stage))
         copies = copy_bytes(cfg, moe, prec)  # parallel.redundant_slots
-        worst = max(worst, states.total + act + copies.cache + copies.activations)
+        worst = max(worst, states.total + copies.cache + max(act + copies.activations, copies.after_backward))
     return worst
 
 
