@@ -173,20 +173,23 @@ def test_moving_experts_equal_the_unmoved_run_through_resume(tmp_path, moe_refer
     assert [r["copies"] for r in events] == [0, 0, 8, 8]  # then 2 MoE layers x ep 4 x 1 slot
 
 
-@pytest.mark.parametrize("overlap, compiled", [("a2a", False), ("a2a", True), ("none", True)])
-def test_copies_overlapped_or_compiled_equal_the_one_rank_run(tmp_path, moe_reference, overlap, compiled):
-    """ep 2 (world 2, 2 micro-batches a step) with one redundant slot a rank, under the overlapped executor
-    (parallel.overlap=a2a, its routed experts' weight gradients held back) and under train.compile (the
-    overlapped sub-layer regions, or the blocking run's whole layers; aot_eager): every step moves every
-    expert and places new copies, from step 2 on tokens are routed to copies, whose gradients are summed
-    over the step's micro-batches and sent to their owners once, after the last backward. Loss and grad
-    norm at every step and the final weights equal the 1-rank eager run's (fp32, 1e-5). Each step the
-    copies' gradient rows cross once: as many bytes as their refresh sent, where every micro-batch sent
-    them before."""
+@pytest.mark.parametrize("overlap, compiled, recompute", [("a2a", False, "full"), ("a2a", True, "none"),
+                                                      ("none", True, "none")])
+def test_copies_overlapped_or_compiled_equal_the_one_rank_run(tmp_path, moe_reference, overlap, compiled, recompute):
+    """ep 2 (world 2, 2 micro-batches a step) with one redundant slot a rank: under the overlapped executor
+    with full recomputation (parallel.overlap=a2a: the routed experts' weight gradients held back, the
+    copies' too, inside checkpointed pieces, where a held-back gradient reaches a copy only through the
+    accumulator the dispatcher holds: without it the grad norm drifted 1e-4), and under train.compile
+    (aot_eager: the overlapped sub-layer regions, or the blocking run's whole layers). Every step moves
+    every expert and places new copies; from step 2 on tokens are routed to copies, whose gradients are
+    summed over the step's micro-batches and sent to their owners once, after the last backward. Loss
+    and grad norm at every step and the final weights equal the 1-rank eager run's (fp32, 1e-5). Each
+    step the copies' gradient rows cross once: as many bytes as their refresh sent, where every
+    micro-batch sent them before."""
     out = tmp_path / "run"
     proc = check(launch(2, out, TINY + MOE_STEPS + [
         "parallel.replace_every=1", "parallel.replace_policy=rotate", "train.dtype=fp32", "parallel.ep=2",
-        "parallel.redundant_slots=1", f"parallel.overlap={overlap}"] +
+        "parallel.redundant_slots=1", f"parallel.overlap={overlap}", f"parallel.recompute={recompute}"] +
         (["train.compile=true", "train.compile_backend=aot_eager"] if compiled else [])))
     assert ("torch.compile (aot_eager)" in proc.stdout) == compiled
     assert_same_steps(moe_reference, out, rel=1e-5)

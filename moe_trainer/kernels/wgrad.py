@@ -12,12 +12,9 @@ order, so the gradients are bit for bit those of the plain backward.
 
 The weight gradients are handed to the parameters by the executor, inside its next engine.backward
 (a surrogate whose gradient with respect to each weight is its held-back gradient), so DeepSpeed's
-hooks and accumulation see them as they see every other gradient. Only parameters are held back:
-anything else computes its weight gradients at once. A weight made by an op would need that op's graph
-alive for the later hand-over; and the redundant slots' copies (leaves of autograd, not parameters,
-parallel/expert.py) held back inside full recomputation's checkpointed pieces made the gradient norm
-drift by 1e-4 from the run without copies (pp 1 x ep 2, fp32; exact without recomputation, and exact
-made at once), a cause not found: theirs are made at once (r of a layer's S0 + r slots' worth).
+hooks and accumulation see them as they see every other gradient. Only leaf weights are held back
+(a weight made by an op, such as the slot-owned experts' gathered rows, would need that op's graph
+alive for the later hand-over): anything else computes its weight gradients at once.
 
 Outside `held_back()` nothing changes. The queue is a module global, not thread-local: on CUDA the
 autograd engine runs the backward on its device thread while the caller waits in engine.backward.
@@ -48,11 +45,11 @@ def held_back(on: bool = True) -> Iterator[Optional[list]]:
 
 def hold(weights: Sequence[torch.Tensor], make: Callable[[], Sequence[torch.Tensor]]) -> bool:
     """Queue `make` (-> the gradients of `weights`, in order) if weight gradients are held back here
-    and every weight is a parameter; False: the caller computes them now. Never inside a compiled graph
+    and every weight is a leaf; False: the caller computes them now. Never inside a compiled graph
     (train.compile: the overlapped stages' routed experts, compile.py): its backward is one graph, traced
     once, and a traced read of the queue would be a guard whose failure, when full recomputation re-runs
     the region inside a held-back backward, recompiles it with other saved tensors than the forward's."""
-    if torch.compiler.is_compiling() or _QUEUE is None or not all(isinstance(w, torch.nn.Parameter) for w in weights):
+    if torch.compiler.is_compiling() or _QUEUE is None or not all(w.is_leaf for w in weights):
         return False
     _QUEUE.append((tuple(weights), make))
     return True

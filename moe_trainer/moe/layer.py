@@ -74,7 +74,7 @@ class MoE(nn.Module):
             # the same expert maths with the weights of this rank's physical slots (a placement plan)
             return torch.func.functional_call(self.experts, d.weights, (d.x, d.counts, d.gate))
         # slot-owned experts with copies: two grouped calls, the owned slots' rows with the parameters as
-        # they are (no gather; parameters, so their gradients may be held back, kernels/wgrad.py), the
+        # they are (no gather; leaf weights, so their gradients may be held back, kernels/wgrad.py), the
         # copies' rows with the copies (always called, if with no row: every step's copies get a gradient
         # sum, zeros if no row); split, not sliced (a slice's backward makes a zero tensor of the whole size)
         sizes, s0 = [d.own_rows, d.x.shape[0] - d.own_rows], self.experts.n_local

@@ -43,12 +43,12 @@ dtype), and once per step, after the last backward and before the gradient
 reduction, the sums go to the owners (copy_grads_to_owners: the refresh's
 exchange reversed), so an expert has one set of parameters and optimizer state
 however many copies route tokens, and no backward waits for a collective of
-its own (the overlapped executor hides the MoE all-to-alls around it). A rank's slots are its S0 owned slots
-(parameter rows 0..S0-1, in order) then its r redundant ones, and rows arrive
-sorted by slot, so the owned slots' rows come first: the experts run as two
-kernel calls (MoE._run_experts), those rows against the parameters and the rest
-against the cache (kept in slot order), both as they are, nothing gathered per
-micro-batch. The owned rows' number is read on the host with the split sizes,
+its own (the overlapped executor hides the MoE all-to-alls around it). A
+rank's slots are its S0 owned slots (parameter rows 0..S0-1, in order) then
+its r redundant ones, and rows arrive sorted by slot, so the owned slots' rows
+come first: the experts run as two kernel calls (MoE._run_experts), those rows
+against the parameters and the rest against the cache (kept in slot order),
+both as they are, nothing gathered per micro-batch. The owned rows' number is read on the host with the split sizes,
 in the same copy (_owned_of).
 Token rows, dedup metadata and expert weights travel as ONE autograd node
 (`_AllToAllGroup`), so backward enters the collectives in the same order on
@@ -154,6 +154,7 @@ class AllToAllDispatcher:
         # (refresh_cache), and the sums of their gradients since the last hand-back (_sum_copy_grad)
         self.cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.copy_grads: list[Optional[torch.Tensor]] = [None, None]
+        self._grad_accs: list = []  # the cache's gradient accumulators (refresh_cache)
         self.capacity_factor = capacity_factor
         self.counter = counter
         self.dedup = dedup
@@ -314,18 +315,30 @@ class AllToAllDispatcher:
             c1.view(r, -1).index_copy_(0, p.copy_slot, got[:, :split])
             c2.view(r, -1).index_copy_(0, p.copy_slot, got[:, split:])
         self.cache = (c1.requires_grad_(), c2.requires_grad_())
+        # their gradient accumulators held for as long as the cache lives: a weight saved inside a
+        # checkpointed piece (full recomputation) is unpacked as an alias that reaches its leaf's
+        # accumulator only while something holds it (as DeepSpeed holds its parameters'), else a held-back
+        # gradient (kernels/wgrad.py) handed to the alias is lost
+        with torch.enable_grad():  # (refresh runs under no_grad)
+            self._grad_accs = [c.view_as(c).grad_fn.next_functions[0][0] for c in self.cache]
         self.copy_grads = [None, None]
         for i, c in enumerate(self.cache):
             c.register_post_accumulate_grad_hook(functools.partial(self._sum_copy_grad, i, grad_dtype))
         return rows.numel() * rows.element_size()
 
+    def drop_copies(self) -> None:
+        """The copies, their gradient sums and accumulators forgotten (new tables: refresh_cache fills them)."""
+        self.cache, self.copy_grads, self._grad_accs = None, [None, None], []
+
     def _sum_copy_grad(self, i: int, dtype: torch.dtype, copy: torch.Tensor) -> None:
         """A backward's gradient of copy weight i (autograd's hook, after it accumulated it into .grad) added
-        into the step's sum, and .grad freed: the sum is what copy_grads_to_owners sends. (The copies'
-        weight gradients are made in their backward, never held back: kernels/wgrad.py.)"""
+        into the step's sum, and .grad freed: the sum is what copy_grads_to_owners sends. (Where the weight
+        gradients are held back, kernels/wgrad.py, the backward hands autograd none and the hook runs with
+        .grad None; the held-back gradient arrives later, through the executor's hand-over.)"""
         g, copy.grad = copy.grad, None
         acc = self.copy_grads[i]
-        self.copy_grads[i] = g.to(dtype, copy=True) if acc is None else acc.add_(g)
+        if g is not None:
+            self.copy_grads[i] = g.to(dtype, copy=True) if acc is None else acc.add_(g)
 
     @torch.no_grad()
     def copy_grads_to_owners(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -277,7 +277,7 @@ class SlotExperts:
             plain = self.rows[i] == home_row(self.n_experts) and all(e < 0 for e in self.copies[i])
             layer.dispatcher.placement = None if plain else owned_placement(self.rows[i], self.ep, self.rank,
                                                                            self.copies[i])
-            layer.dispatcher.cache, layer.dispatcher.copy_grads = None, [None, None]
+            layer.dispatcher.drop_copies()
 
     def reset_home(self) -> None:
         self.set_tables([home_row(self.n_experts) for _ in self.rows])
