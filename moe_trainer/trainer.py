@@ -49,6 +49,7 @@ from .kernels.cpu.shm_alltoall import P2P_RING_BYTES, RING_BYTES, SMALL_RING_BYT
 from .parallel import link
 from .parallel.overlap import OverlapExecutor
 from .parallel.parallelize import parallelize
+from .parallel.surrogate import reduce_after_backwards
 from .parallel.zero import build_engine, set_lr
 
 
@@ -367,9 +368,7 @@ class Trainer:
                 self.engine.set_gradient_accumulation_boundary(False)
                 self.engine.backward(out.loss)
                 if last:
-                    self.before_reduce()
-                    self.engine.set_gradient_accumulation_boundary(True)
-                    self.engine.allreduce_gradients()
+                    reduce_after_backwards(self.engine, self.before_reduce)
             td = self.clock.mark()
             self.engine.step()  # the optimizer step happens at the accumulation boundary
             marks.append((ta, tb, tc, td, self.clock.mark()))

@@ -66,7 +66,7 @@ from ..kernels import wgrad
 from ..metrics import StepClock
 from .a2a_async import issue
 from .overlap_model import stage_functions
-from .surrogate import _OutputGradient
+from .surrogate import _OutputGradient, reduce_after_backwards
 
 
 def _leaf(v):
@@ -276,9 +276,6 @@ class OverlapExecutor(StagedPair):
             else:
                 self._run(backward(i))
             records[i] = None
-        if self.before_reduce is not None:
-            self.before_reduce()
-        self.engine.set_gradient_accumulation_boundary(True)
-        self.engine.allreduce_gradients()
+        reduce_after_backwards(self.engine, self.before_reduce)
         self.engine.step()
         return sums, spans

@@ -34,7 +34,7 @@ from ..metrics import StepClock
 from ..models.lm import LMOutput, add_aux
 from .comm import shm_transport
 from .p2p import PeerExchange, chunk_peers, comm_plan
-from .surrogate import backward_surrogate
+from .surrogate import backward_surrogate, reduce_after_backwards
 
 # ----------------------------------------------------------------------------- partition (pure)
 
@@ -538,10 +538,7 @@ class PipelineExecutor:
         send a stage reduces while the stages before it still run their last backwards. The optimizer
         step comes last: its gradient norm is a collective over every stage."""
         t0 = self.clock.mark()
-        if self.before_reduce is not None:
-            self.before_reduce()
-        self.engine.set_gradient_accumulation_boundary(True)
-        self.engine.allreduce_gradients()  # what DeepSpeed's backward epilogue runs at the boundary
+        reduce_after_backwards(self.engine, self.before_reduce)
         _, i, c = self.boundary
         self.trace.record("reduce", i, t0, self.clock.mark(), c)
         self.engine.step()

@@ -3,7 +3,7 @@ pairs' backward: pipeline.py, overlap.py), and the hand-over of gradients made o
 (the redundant slots' copies', slots.py), in a module of its own so that all import it one way."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -43,3 +43,14 @@ def hand_over(engine, grads: list) -> None:
     gradients are consumed (scaled in place, by 1)."""
     if grads:
         engine.backward(sum(_OutputGradient.apply(w, g) for w, g in grads), scale_wrt_gas=False)
+
+
+def reduce_after_backwards(engine, before_reduce: Optional[Callable[[], None]] = None) -> None:
+    """The step's gradient reduction once its backwards are done, none of them the accumulation boundary
+    (the executors' and the trainer's with redundant slots): `before_reduce` first (the copies' gradients
+    to their owners, slots.SlotExperts.hand_back), then the boundary and what DeepSpeed's backward
+    epilogue runs at it."""
+    if before_reduce is not None:
+        before_reduce()
+    engine.set_gradient_accumulation_boundary(True)
+    engine.allreduce_gradients()
