@@ -36,7 +36,6 @@ ALLOWED = {
                                               "LayerPlacement.on copies them to the device once",
     ("parallel/slots.py", "_cache_tables"): "the redundant slots' refresh tables, built with the placement's "
                                             "(host tables, copied to the device once by LayerPlacement.on)",
-    ("parallel/slots.py", "rank_loads"): "the re-placement's planning, on the interval's host-side load",
     ("parallel/slots.py", "_reset"): "the re-placement's load sums, host-side by design (update_bias copies the "
                                      "counts there), reset once per decision",
     ("moe/balance.py", "skewed_biases"): "debug.route_skew's initial biases, made once at build time and copied "

@@ -8,6 +8,7 @@ checkpoint saved after a re-placement and resumed at another EP size.
 import pytest
 
 from moe_trainer.config import ConfigError
+from moe_trainer.moe.placement import online
 from moe_trainer.parallel import slots as sl
 from moe_trainer.resolve import load_config
 
@@ -33,16 +34,68 @@ def test_moves_pair_up_on_both_sides():
             for a, b in zip(sent, recv[src]):
                 got[r * s + b] = old[src * s + a]
     assert got == new
-    assert sl.moved_experts(old, new, ep) == [1, 2, 1, 1]  # rank 1 sends 2 and 3, the others one each
+    assert online.moved_experts(old, new, ep) == [1, 2, 1, 1]  # rank 1 sends 2 and 3, the others one each
 
 
 def test_keep_in_place_moves_the_fewest_experts():
     old = [3, 2, 1, 0, 7, 6, 5, 4]  # rank 0 holds 0..3, rank 1 holds 4..7, in another order
     plan = [4, 5, 6, 0, 1, 2, 3, 7]  # plan rank 0 is mostly rank 1's experts
-    row = sl.keep_in_place(plan, old, 2)
+    row = online.keep_in_place(plan, old, 2)
     assert sorted(row[:4]) == [1, 2, 3, 7] and sorted(row[4:]) == [0, 4, 5, 6]  # ranks relabeled: 2 move
     assert row[:4] == [3, 2, 1, 7] and row[4:] == [0, 6, 5, 4]  # stayers keep their slots
-    assert sl.moved_experts(old, row, 2) == [1, 1]
+    assert online.moved_experts(old, row, 2) == [1, 1]
+
+
+def _copy_slots_reference(load, row, ep, r):
+    """copy_slots as first written: every rank's load summed again for every candidate copy."""
+    s0 = len(row) // ep
+    holders = {e: [q // s0] for q, e in enumerate(row)}
+    replicas, free = [-1] * (ep * r), [list(range(q * r, (q + 1) * r)) for q in range(ep)]
+    w = load.double().tolist()
+
+    def loads():
+        out = [0.0] * ep
+        for e, hs in holders.items():
+            for q in hs:
+                out[q] += w[e] / len(hs)
+        return out
+    while True:
+        cur = loads()
+        busiest = max(range(ep), key=lambda q: cur[q])
+        best = None
+        for e in sorted((e for e, hs in holders.items() if busiest in hs), key=lambda e: -w[e] / len(holders[e])):
+            targets = [q for q in range(ep) if free[q] and q not in holders[e]]
+            if not targets:
+                continue
+            t = min(targets, key=lambda q: cur[q])
+            holders[e].append(t)
+            after = max(loads())
+            holders[e].pop()
+            if after < cur[busiest] * (1 - 1e-9):
+                best = (e, t)
+                break
+        if best is None:
+            return replicas
+        e, t = best
+        holders[e].append(t)
+        replicas[free[t].pop(0)] = e
+
+
+def test_copy_slots_equals_its_reference():
+    """The incremental copy_slots chooses the copies the plain greedy does: skewed, integer (ties) and flat loads."""
+    import torch
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(200):
+        ep = (2, 4, 8, 16, 32)[trial % 5]
+        n = ep * (1, 2, 4)[trial % 3]
+        load = torch.rand(n, generator=gen, dtype=torch.float64) ** 4 * 100  # a few hot experts
+        if trial % 4 == 0:
+            load = load.round()
+        if trial % 7 == 0:
+            load = torch.ones(n)
+        row = torch.randperm(n, generator=gen).tolist()
+        r = 1 + trial % 3
+        assert online.copy_slots(load, row, ep, r) == _copy_slots_reference(load, row, ep, r), (trial, ep, n, r)
 
 
 def test_copies_refresh_tables_pair_up_and_copy_slots_balance():
@@ -69,11 +122,11 @@ def test_copies_refresh_tables_pair_up_and_copy_slots_balance():
     with pytest.raises(ValueError, match="distinct expert ids of other ranks"):
         sl.check_replicas(row, [5, -1, 5, 1, 3, -1, 0, 2], ep)  # rank 0 copying its own expert 5
     load = torch.tensor([100.0, 1, 1, 1, 1, 1, 1, 1])  # expert 0 (on rank 1) takes almost every token
-    home = sl.home_row(8)
-    filled = sl.copy_slots(load, home, ep, 1)
+    home = online.home_row(8)
+    filled = online.copy_slots(load, home, ep, 1)
     assert 0 in filled and filled[0] != 0 and all(e < 0 or e not in home[q * 2:q * 2 + 2]
                                                   for q, e in enumerate(filled))
-    before, after = sl.rank_loads(load, home, ep), sl.rank_loads(load, home, ep, filled)
+    before, after = online.rank_loads(load, home, ep), online.rank_loads(load, home, ep, filled)
     assert float(after.sum()) == pytest.approx(float(before.sum()))
     assert float(after.max()) < float(before.max()) / 2  # expert 0's tokens over 3 or more ranks
 

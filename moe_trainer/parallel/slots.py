@@ -31,7 +31,7 @@ drift apart, ZeRO's flat buffers and the gradient norm are those of the run with
 copy costs its weights and its gradient sum (no 12 bytes a parameter of optimizer state). No backward
 runs a collective of its own, so the copies run under the overlapped executor too
 (`parallel.overlap`). A saved checkpoint first checks every copy bit for bit against its owner. The
-search fills the copies greedily (copy_slots) after placing the owned slots.
+search fills the copies greedily (moe/placement/online.py's copy_slots) after placing the owned slots.
 
 Checkpoints stay keyed by expert id: a save moves every expert home first and back after
 (`at_home`), a load resets the tables to home (the loaded rows are in id order).
@@ -54,27 +54,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..moe.placement import rebalance_experts, replica_candidates
+from ..moe.placement import replica_candidates
+from ..moe.placement.online import (home_row, mean_imbalance, most_copies, moved_experts, n_copy_layers, rank_loads,
+                                    replan, slot_row)
 from .comm import all_to_all_rows
 from .replicas import LayerPlacement
 from .surrogate import hand_over
 
 POLICIES = ("auto", "always", "rotate")
 STATES = ("weight", "fp32", "exp_avg", "exp_avg_sq")  # what moves with a slot
-
-
-def home_row(n_experts: int) -> list[int]:
-    return list(range(n_experts))
-
-
-def slot_row(row: list[int], replicas: Optional[list[int]], ep: int) -> list[int]:
-    """Every EP rank's slots in global order: its S0 = E / ep owned slots (`row`), then its r redundant
-    slots (`replicas`, ep * r expert ids, -1 = empty); the redundant slots are left out where the layer
-    holds no copy at all (the dispatcher then sees S0 slots a rank, as without them)."""
-    if not replicas or all(e < 0 for e in replicas):
-        return list(row)
-    s0, r = len(row) // ep, len(replicas) // ep
-    return [e for q in range(ep) for e in row[q * s0:(q + 1) * s0] + replicas[q * r:(q + 1) * r]]
 
 
 def check_replicas(row: list[int], replicas: list[int], ep: int) -> None:
@@ -129,44 +117,6 @@ def owned_placement(row: list[int], ep: int, rank: int, replicas: Optional[list[
                           copy_slot=copy_slot)
 
 
-def copy_slots(load: torch.Tensor, row: list[int], ep: int, r: int) -> list[int]:
-    """Fill the r redundant slots of each EP rank for one layer (ep * r ids, -1 = left empty): greedily,
-    the busiest rank's expert with the most tokens per copy gains a copy on the least loaded rank that
-    has a free slot and no copy of it, while that lowers the busiest rank's load (an expert's tokens
-    split evenly over its copies, as the dispatcher's round-robin spreads them)."""
-    s0 = len(row) // ep
-    holders = {e: [q // s0] for q, e in enumerate(row)}
-    replicas, free = [-1] * (ep * r), [list(range(q * r, (q + 1) * r)) for q in range(ep)]
-    w = load.double().tolist()
-
-    def loads():
-        out = [0.0] * ep
-        for e, hs in holders.items():
-            for q in hs:
-                out[q] += w[e] / len(hs)
-        return out
-    while True:
-        cur = loads()
-        busiest = max(range(ep), key=lambda q: cur[q])
-        best = None
-        for e in sorted((e for e, hs in holders.items() if busiest in hs), key=lambda e: -w[e] / len(holders[e])):
-            targets = [q for q in range(ep) if free[q] and q not in holders[e]]
-            if not targets:
-                continue
-            t = min(targets, key=lambda q: cur[q])
-            holders[e].append(t)
-            after = max(loads())
-            holders[e].pop()
-            if after < cur[busiest] * (1 - 1e-9):
-                best = (e, t)
-                break
-        if best is None:
-            return replicas
-        e, t = best
-        holders[e].append(t)
-        replicas[free[t].pop(0)] = e
-
-
 def moves(old: list[int], new: list[int], ep: int, rank: int):
     """What `rank` does to go from placement `old` to `new` (one layer): (send, recv, keep), send[d] the
     local slots whose contents go to rank d, recv[s] the local slots that take rows from rank s, keep
@@ -184,70 +134,6 @@ def moves(old: list[int], new: list[int], ep: int, rank: int):
         elif p // s == rank:
             send[q // s].append(p % s)
     return send, recv, keep
-
-
-def moved_experts(old: list[int], new: list[int], ep: int) -> list[int]:
-    """Experts each EP rank sends to another rank (one layer)."""
-    s = len(old) // ep
-    where = {e: q for q, e in enumerate(old)}
-    out = [0] * ep
-    for q, e in enumerate(new):
-        if where[e] // s != q // s:
-            out[where[e] // s] += 1
-    return out
-
-
-def keep_in_place(plan: list[int], old: list[int], ep: int) -> list[int]:
-    """Plan `plan` (rank g holds plan[g*S:(g+1)*S]) with its ranks relabeled and its slots ordered so
-    that the fewest experts move: plan rank g goes to the current rank holding most of its experts
-    (greedy over the largest overlaps), an expert already on its rank keeps its slot."""
-    s = len(old) // ep
-    rank_of = {e: q // s for q, e in enumerate(old)}
-    groups = [plan[g * s:(g + 1) * s] for g in range(ep)]
-    overlap = sorted(((sum(rank_of[e] == r for e in grp), -g, -r) for g, grp in enumerate(groups)
-                      for r in range(ep)), reverse=True)
-    to_rank, taken = {}, set()
-    for _, g, r in overlap:
-        if -g not in to_rank and -r not in taken:
-            to_rank[-g] = -r
-            taken.add(-r)
-    row = [-1] * len(old)
-    for g, grp in enumerate(groups):
-        r = to_rank[g]
-        staying = {e for e in grp if rank_of[e] == r}
-        arriving = iter(sorted(e for e in grp if e not in staying))
-        for i in range(s):
-            e = old[r * s + i]
-            row[r * s + i] = e if e in staying else next(arriving)
-    return row
-
-
-def rank_loads(load: torch.Tensor, row: list[int], ep: int, replicas: Optional[list[int]] = None) -> torch.Tensor:
-    """(ep,) load of each EP rank for one layer's expert load (E,) under placement `row` (with copies in
-    `replicas`, an expert's load split evenly over its slots)."""
-    slots = torch.tensor(slot_row(row, replicas, ep))
-    held = slots >= 0
-    copies = torch.zeros(load.numel(), dtype=load.dtype).index_add_(0, slots[held], torch.ones(int(held.sum()),
-                                                                                                dtype=load.dtype))
-    per_slot = torch.where(held, load[slots.clamp(min=0)] / copies[slots.clamp(min=0)], torch.zeros((), dtype=load.dtype))
-    return per_slot.view(ep, -1).sum(1)
-
-
-def n_copy_layers(copies: list[list[int]]) -> int:
-    """MoE layers with at least one copy."""
-    return sum(1 for c in copies if any(e >= 0 for e in c))
-
-
-def most_copies(copies: list[list[int]], ep: int, r: int) -> int:
-    """The most copies one EP rank holds in one MoE layer (each layer's `copies`: ep * r ids, -1 = empty)."""
-    return max((sum(1 for e in c[q * r:(q + 1) * r] if e >= 0) for c in copies for q in range(ep)), default=0) \
-        if r else 0
-
-
-def _imbalance(loads: list[torch.Tensor]) -> float:
-    """Mean over layers of the busiest rank's load over the mean (1 for a layer without load)."""
-    vals = [float(x.max() / x.mean()) if float(x.sum()) > 0 else 1.0 for x in loads]
-    return sum(vals) / max(1, len(vals))
 
 
 class SlotExperts:
@@ -467,9 +353,7 @@ class Replacer:
             copies = [[r[((q // self.redundant + 1) % self.ep) * s + (self.rotations + q) % s]
                        for q in range(self.ep * self.redundant)] for r in new]
         else:
-            plan = rebalance_experts(load, self.n_experts, 1, 1, self.ep)[0].tolist()
-            new = [keep_in_place(p, c, self.ep) for p, c in zip(plan, cur)]
-            copies = [copy_slots(load[i], new[i], self.ep, self.redundant) for i in range(self.n_layers)]
+            new, copies = replan(load, cur, self.ep, self.redundant)
         before = [rank_loads(load[i], cur[i], self.ep, cur_copies[i]) for i in range(self.n_layers)]
         after = [rank_loads(load[i], new[i], self.ep, copies[i]) for i in range(self.n_layers)]
         steps = max(1, self.steps)
@@ -501,9 +385,9 @@ class Replacer:
                "moved_bytes": moved_bytes if decision == "apply" else 0,
                "copies": sum(e >= 0 for c in (copies if decision == "apply" else cur_copies) for e in c),
                "predicted_saving_s": saving_s, "move_cost_s": cost_s,
-               "measured_rank_max_over_mean": round(_imbalance(measured), 6),
-               "predicted_rank_max_over_mean_before": round(_imbalance(before), 6),
-               "predicted_rank_max_over_mean_after": round(_imbalance(after), 6)}
+               "measured_rank_max_over_mean": round(mean_imbalance(measured), 6),
+               "predicted_rank_max_over_mean_before": round(mean_imbalance(before), 6),
+               "predicted_rank_max_over_mean_after": round(mean_imbalance(after), 6)}
         return ((new, copies) if decision == "apply" else None), row
 
     def _broadcast(self, new):

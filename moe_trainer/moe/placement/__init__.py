@@ -41,6 +41,9 @@ Applying a plan at run time (runtime.py; pure pieces, parallel/replicas.py build
 - `replica_candidates` / `pick_replicas`: the physical slot each routed copy
   goes to (a replica on the sender's own rank if there is one, else round-robin
   over the expert's replicas).
+Online re-placement's planning (online.py: owned slots that move, redundant
+slots holding copies; what parallel/slots.py's Replacer decides and the
+planner replays): `replan`, `copy_slots`, `keep_in_place`, `rank_loads`.
 """
 from .eplb import (PlacementError, balanced_packing, check_layout, eplb_reference, is_hierarchical,
                    replicate_experts)

@@ -157,6 +157,7 @@ def drawn_replacement(seed: int):
     broadcast it), rank 0's decision is made on real host tensors from it, and every rank reads that
     decision (made again from the same draw), so the moves it makes are the ones its EP group makes."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from ...moe.placement import online
     from .. import slots
     cls = slots.Replacer
     base_load, base_decide, base_rows = cls._host_load, cls._decide, cls._rows_from
@@ -165,7 +166,7 @@ def drawn_replacement(seed: int):
         gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:replace".encode()))
         load = 1000 * torch.exp(SKEW_SIGMA * torch.randn(self.n_layers, self.n_experts, generator=gen,
                                                          dtype=torch.float64))
-        rows = torch.stack([slots.rank_loads(load[i], self.slots.rows[i], self.ep) for i in range(self.n_layers)])
+        rows = torch.stack([online.rank_loads(load[i], self.slots.rows[i], self.ep) for i in range(self.n_layers)])
         return load, rows
 
     def decide(self):
