@@ -19,7 +19,7 @@ from moe_trainer.plan.gpus import Efficiency, gpu_named
 from moe_trainer.plan.memory import layer_acts
 from moe_trainer.plan.search import search
 from moe_trainer.plan.time import Mechanisms, model_flops_per_token, step_time
-from moe_trainer.plan.time_report import load_imbalance
+from moe_trainer.plan.replacement import natural_imbalance, read_load
 from moe_trainer.plan.work import block_work, setup_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -384,8 +384,8 @@ def test_load_imbalance_from_a_run_directory(tmp_path):
     from moe_trainer.expert_load.files import write_expert_load
     counts = torch.tensor([[4.0, 4, 4, 4], [8, 0, 4, 4]])  # layer 1: rank 0 (experts 0, 1) holds 8 of 16
     write_expert_load(tmp_path, 10, counts)
-    assert load_imbalance(str(tmp_path), 2) == pytest.approx((1.0 + 1.0) / 2)
-    assert load_imbalance(str(tmp_path), 4) == pytest.approx((1.0 + 2.0) / 2)
+    assert natural_imbalance(read_load(str(tmp_path)), 2) == pytest.approx((1.0 + 1.0) / 2)
+    assert natural_imbalance(read_load(str(tmp_path)), 4) == pytest.approx((1.0 + 2.0) / 2)
 
 
 def _cli(*args):

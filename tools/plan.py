@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 from moe_trainer import plan  # noqa: E402
 from moe_trainer.config import ConfigError, read_config  # noqa: E402
 from moe_trainer.plan import gpus as gpus_mod, published, search as search_mod, time as time_mod  # noqa: E402
-from moe_trainer.plan import time_report  # noqa: E402
+from moe_trainer.plan import replacement, time_report  # noqa: E402
 from moe_trainer.plan.work import setup_from_config  # noqa: E402
 from moe_trainer.resolve import load_config  # noqa: E402
 
@@ -155,18 +155,22 @@ def _gpu_eff(args):
     return gpus_mod.with_overrides(gpus_mod.gpu_named(args.gpu), gpus_mod.Efficiency(), args.gpu_set, args.eff_set)
 
 
-def _natural(args, setup) -> tuple[float | None, str]:
+def _natural(args, setup, load) -> tuple[float | None, str]:
+    """The natural load imbalance at the setup's ep: measured with the experts at home (--load), given
+    (--imbalance), or None (uniform routing's statistical maximum)."""
     if args.load and args.imbalance is not None:
         raise plan.PlanError("give --load RUN_DIR or --imbalance X, not both.")
-    if args.load:
-        return time_report.load_imbalance(args.load, setup.ep), f"measured from {args.load}"
+    if load:
+        return replacement.natural_imbalance(load, setup.ep), f"measured from {args.load}"
     if args.imbalance is not None:
         return args.imbalance, "--imbalance"
     return None, "uniform routing's statistical maximum, a lower bound"
 
 
 def _run_time(args, argv) -> int:
-    """--time: a trainer config (this trainer's mechanisms, --overlap) or a published-run file."""
+    """--time: a trainer config (this trainer's mechanisms, --overlap) or a published-run file; with
+    parallel.replace_every and --load, a third column: the run's load as re-placement leaves it."""
+    every = redundant = 0
     if published.is_published_file(args.config):
         pub, setup = published.load_published(args.config)
         if args.gpus != pub.gpus:
@@ -175,6 +179,7 @@ def _run_time(args, argv) -> int:
     else:
         cfg = load_config(args.config, args.set, read_init_from=True)
         setup = setup_from_config(cfg, args.gpus, args.zero, args.gpus_per_node)
+        every, redundant = cfg.parallel.replace_every, cfg.parallel.redundant_slots
         # parallel.overlap a2a (or auto where a CUDA run stays eager: resolve.overlap_runs): the trainer pairs
         # micro-batches as --overlap models (pp 1, interleaved pp > 1)
         # (and then holds the experts' weight gradients back: Mechanisms.wgrad_split)
@@ -182,14 +187,26 @@ def _run_time(args, argv) -> int:
     mech = time_mod.dataclasses.replace(mech, a2a_overlap=mech.a2a_overlap or args.overlap,
                                         gemm_dtype=args.gemm_dtype or mech.gemm_dtype)
     gpu, eff = _gpu_eff(args)
+    load = replacement.read_load(args.load) if args.load else None
     balanced = time_mod.step_time(setup, gpu, eff, mech, 1.0)
-    value, source = _natural(args, setup)
+    value, source = _natural(args, setup, load)
     natural = time_mod.step_time(setup, gpu, eff, mech, value) if setup.ep > 1 else None
+    columns = [("forced balance", balanced)] + \
+        ([(f"natural (imbalance {natural.imbalance:.3f}: {source})", natural)] if natural else [])
+    replaced = None
+    if every and load:
+        f, rep, where = replacement.at_layout(load, setup.ep, every, redundant,
+                                              replacement.paying(setup, gpu, eff, mech))
+        replaced = (time_mod.step_time(setup, gpu, eff, mech, f, rep), rep, where)
+        columns.append((f"re-placed (imbalance {f:.3f}: {where})", replaced[0]))
     if args.json:
-        _emit_json(args.json, time_report.time_to_dict(setup, gpu, eff, mech, balanced, natural))
+        _emit_json(args.json, time_report.time_to_dict(setup, gpu, eff, mech, balanced, natural, replaced))
     if args.json != "-":
         print(f"## python tools/plan.py {' '.join(shlex.quote(a) for a in argv)}\n")
-        print(time_report.format_time(setup, gpu, eff, mech, balanced, natural, source))
+        print(time_report.format_time(setup, gpu, eff, mech, columns))
+        if every and not load:
+            print(f"parallel.replace_every is {every}: give --load RUN_DIR (a run's expert_load/) to estimate the "
+                  f"busiest rank's share re-placement leaves and its moves' and copies' time.\n")
     return 0
 
 
@@ -209,9 +226,10 @@ def _run_search(args, argv) -> int:
         cfg = load_config(args.config, args.set + ["parallel.overlap=none"], read_init_from=True)
     gpu, eff = _gpu_eff(args)
     mech = time_mod.Mechanisms(a2a_overlap=args.overlap, gemm_dtype=args.gemm_dtype or "bf16")
-    value, _ = _natural(args, setup_from_config(cfg, args.gpus))
+    load = replacement.read_load(args.load) if args.load else None
+    value, _ = _natural(args, setup_from_config(cfg, args.gpus), load)
     best, tried, fit = search_mod.search(cfg, args.gpus, gpu, eff, mech, args.gpu_memory_gb, value,
-                                         overlap=requested)
+                                         overlap=requested, load=load)
     if not tried:
         if requested == "a2a":
             raise plan.PlanError(f"no legal layout of {args.config} on {args.gpus} GPUs can run parallel.overlap=a2a "
@@ -221,8 +239,10 @@ def _run_search(args, argv) -> int:
     if not best:
         raise plan.PlanError(f"none of the {tried} legal layouts of {args.config} on {args.gpus} GPUs fits in "
                              f"--gpu-memory-gb {args.gpu_memory_gb:g}.")
-    own = time_mod.step_time(setup_from_config(cfg, args.gpus, gpus_per_node=args.gpus_per_node), gpu, eff,
-                             search_mod.layout_mechanisms(cfg, mech), value)
+    own_setup, own_mech = setup_from_config(cfg, args.gpus, gpus_per_node=args.gpus_per_node), \
+        search_mod.layout_mechanisms(cfg, mech)
+    own = time_mod.step_time(own_setup, gpu, eff, own_mech,
+                             *search_mod.load_of(cfg, own_setup, gpu, eff, own_mech, value, load))
     if args.json:
         b = best[0]
         _emit_json(args.json, {"config": args.config, "gpus": args.gpus, "set": args.set + b.overrides(),

@@ -25,7 +25,9 @@ from .gpus import Efficiency, Gpu
 from .memory import _stage_blocks, copy_bytes, model_state_bytes, rank_params, stage_activation_bytes
 from .params import GB, is_moe_layer, precision_for
 from .pipeline import stage_partition
-from .time import Mechanisms, StepTime, step_time, trainer_mechanisms
+from . import replacement
+from .replacement import MeasuredLoad
+from .time import Mechanisms, Replacement, StepTime, step_time, trainer_mechanisms
 from .work import Setup, setup_from_config
 
 
@@ -117,16 +119,31 @@ def candidates(cfg: Config, gpus: int, node: int, overlap: Optional[str] = None)
     return out
 
 
+def load_of(cfg: Config, s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms, imbalance: Optional[float],
+            load: Optional[MeasuredLoad]) -> tuple[Optional[float], Optional[Replacement]]:
+    """(the busiest EP rank's share, the re-placement's traffic) the layout `s` meets: a run's measured load
+    (`load`: at home, or as the config's parallel.replace_every re-places it, each decision applied where
+    the step model says it pays at this layout: replacement.at_layout, paying), else `imbalance` (None:
+    uniform routing's) and no re-placement."""
+    if load is None:
+        return imbalance, None
+    pays = replacement.paying(s, gpu, eff, mech)
+    return replacement.at_layout(load, s.ep, cfg.parallel.replace_every, cfg.parallel.redundant_slots, pays)[:2]
+
+
 def search(cfg: Config, gpus: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms, gpu_memory_gb: float,
            imbalance: Optional[float] = None, top: int = 10,
-           overlap: Optional[str] = None) -> tuple[list[Candidate], int, int]:
+           overlap: Optional[str] = None, load: Optional[MeasuredLoad] = None) -> tuple[list[Candidate], int, int]:
     """(the `top` fastest fitting layouts, layouts tried, layouts that fit). Each layout runs under
     `mech` with this trainer's mechanisms for its own overlap (trainer_mechanisms: the all-to-all
     paired, the weight gradients held back, compile auto eager); `mech.a2a_overlap` models the
-    overlap at every layout (tools/plan.py --overlap, a what-if)."""
+    overlap at every layout (tools/plan.py --overlap, a what-if). With a run's `load` each layout meets
+    it at its own ep (`load_of`: replayed once per ep, its decisions weighed at the first fitting layout
+    of that ep)."""
     node = cfg.parallel.gpus_per_node or gpu.gpus_per_node
     found, tried = [], 0
     partitions: dict = {}  # (pp, v) -> the trainer's cost-balanced layers per rank (stage_partition)
+    at_ep: dict = {}  # ep -> load_of's (share, re-placement)
     for c in candidates(cfg, gpus, node, overlap):
         tried += 1
         key = (c.parallel.pp, c.parallel.virtual_stages)
@@ -137,7 +154,9 @@ def search(cfg: Config, gpus: int, gpu: Gpu, eff: Efficiency, mech: Mechanisms, 
             continue
         s = setup_from_config(c, gpus, gpus_per_node=node, partition=tuple(partitions[key]))
         own = layout_mechanisms(c, mech)
-        found.append(Candidate(s, peak / GB, step_time(s, gpu, eff, own, imbalance),
+        if s.ep not in at_ep:
+            at_ep[s.ep] = load_of(c, s, gpu, eff, own, imbalance, load)
+        found.append(Candidate(s, peak / GB, step_time(s, gpu, eff, own, *at_ep[s.ep]),
                                overlap="a2a" if overlap_runs(c) else "none", mechanisms=own))
     found.sort(key=lambda x: -x.time.tokens_per_s_per_gpu)
     best = found[:top]

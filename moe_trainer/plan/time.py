@@ -25,6 +25,9 @@ The model, per optimizer step, on the busiest pipeline stage (the one with the m
 - schedule: m micro-batches of (compute + exposed) and the bubble (p-1)/v of them (1F1B, interleaved
   over v chunks: (p-1)/(v m + p-1) of the whole), or DualPipe's (p/2 - 1)(F&B + B - 3W).
 - optimizer: Adam over the rank's ZeRO-1 shard, memory-bound (fp32 grad, master, m, v).
+- re-placement (parallel.replace_every, redundant_slots), given a run's load replayed
+  (plan/replacement.py): the moves shared over the steps between decisions and the copies' refresh
+  and gradients each step, exposed (`replacement_seconds`).
 """
 from __future__ import annotations
 
@@ -117,7 +120,48 @@ TRAINER_OVERLAPS = {
                          "back behind the backward dispatch; the split-size exchange stays blocking",
     "pipeline send/recv": "no (blocking sends between the schedule's steps)",
     "ZeRO-1 reductions": "no (DeepSpeed's overlap_comm is off: parallel/zero.py writes stage 1 only)",
+    "expert re-placement": "no (parallel.replace_every: the moves at a step boundary; the redundant slots' refresh "
+                           "after the optimizer step and their gradients before the reduction)",
 }
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """Online re-placement's traffic (parallel.replace_every, parallel.redundant_slots: parallel/slots.py), per
+    MoE layer of a rank, as a run's load replays it (plan/replacement.py)."""
+
+    every: int  # steps between decisions
+    moved: float  # experts the busiest EP rank sends per decision (it receives as many)
+    changed: float  # share of the MoE layers a decision changes
+    copies: float  # copies' rows the busiest EP rank sends or receives in each step's refresh (and hand-back)
+
+
+def replacement_seconds(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, rep: Replacement) -> dict[str, float]:
+    """Per step on one rank of `stage`, seconds, none of it hidden (parallel/slots.py runs each at a step
+    boundary, blocking):
+    - moves: per decision and changed MoE layer, one all-to-all over the EP group of the moved experts'
+      rows in fp32 (model weight, master weight, Adam's two moments: 16 bytes a parameter) and the
+      layer's optimizer state reassembled whole over the expert-data-parallel group (DeepSpeed's
+      safe_get_full_*: one all-reduce of the rank's S experts' fp32 master and moments, 12 bytes a
+      parameter); shared over the `every` steps between decisions;
+    - copies: every step and MoE layer, the copies' refresh after the optimizer step and their summed
+      gradients back to the owners before the reduction, two all-to-alls of `copies` expert rows in the
+      model's dtype (SlotExperts.refresh, copy_grads_to_owners)."""
+    m = s.ffn
+    n_moe = sum(is_moe_layer(m, i) for i in stage_blocks(s, stage))
+    numel = 3 * m.hidden_size * m.moe_intermediate_size  # one expert's gate, up and down projections
+    remote = ep_remote_share(s)
+    lat = eff.a2a_latency_us * 1e-6
+
+    def a2a(nbytes: float) -> float:  # one all-to-all: its NVLink and network parts at once
+        return max(nbytes * (1 - remote) / (gpu.nvlink_gbs * eff.a2a * 1e9),
+                   nbytes * remote / (gpu.net_gbs * eff.a2a * 1e9)) + lat
+    _, expert_stride = dp_strides(s)
+    gather = _ring_seconds(2 * (s.edp - 1) / s.edp * (m.n_routed_experts // s.ep) * numel * 12, s.edp, expert_stride,
+                           s.gpus_per_node, gpu, eff)
+    moves = n_moe * rep.changed * (a2a(rep.moved * numel * 16) + gather) / rep.every
+    copies = n_moe * 2 * a2a(rep.copies * numel * s.param_bytes) if rep.copies else 0.0
+    return {"moves": moves, "copies": copies}
 
 
 @dataclass(frozen=True)
@@ -514,9 +558,10 @@ def _dualpipe_rank(a: tuple, b: tuple) -> tuple:
 
 
 def step_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms = TRAINER_TODAY,
-              imbalance: Optional[float] = None) -> StepTime:
+              imbalance: Optional[float] = None, replacement: Optional[Replacement] = None) -> StepTime:
     """The step of `s` on `gpu`; `imbalance`: the busiest EP rank's load over the mean (None: uniform
-    routing's statistical maximum, `uniform_imbalance`)."""
+    routing's statistical maximum, `uniform_imbalance`); `replacement`: the online re-placement's traffic
+    that leaves that imbalance (replacement_seconds), exposed."""
     if mech.schedule not in SCHEDULES:
         raise PlanError(f"schedule must be one of {', '.join(SCHEDULES)}, got {mech.schedule!r}.")
     if mech.host not in HOSTS:
@@ -550,13 +595,19 @@ def step_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms = TRAINER_TO
     dp_exposed = max(0.0, dp - per_mb) if mech.dp_overlap else dp
     hbm = gpu.hbm_tbs * 1e12 * eff.memory
     optimizer = comm["shard_params"] * (4 + 12 * 2 + s.param_bytes) / hbm
-    total = m * per_mb + bubble + dp_exposed + optimizer
+    # a DualPipe rank holds two stages' layers
+    held = {stage, s.pp - 1 - stage} if mech.schedule == "dualpipe" else {stage}
+    replace = {k: sum(replacement_seconds(s, st, gpu, eff, replacement)[k] for st in held)
+               for k in ("moves", "copies")} if replacement else {"moves": 0.0, "copies": 0.0}
+    total = m * per_mb + bubble + dp_exposed + optimizer + sum(replace.values())
     tokens = m * s.micro_batch_size * s.seq_len * s.dp / s.gpus  # per GPU per step
     flops = model_flops_per_token(s)
     tflops = flops * tokens / total / 1e12
-    split = {**{k: m * v_ for k, v_ in exposed.items()}, "data_parallel": dp_exposed}
+    split = {**{k: m * v_ for k, v_ in exposed.items()}, "data_parallel": dp_exposed,
+             "replacement": sum(replace.values())}
     totals = {**{k: m * comm[k] for k in ("tensor", "context", "pipeline")},
               "all_to_all": m * (comm["all_to_all"] + comm["a2a_split"]), "data_parallel": dp,
+              "replacement": sum(replace.values()), **{f"replacement.{k}": v_ for k, v_ in replace.items()},
               **{f"compute.{k}": m * v_ for k, v_ in kinds.items()}}
     return StepTime(compute=m * c, exposed_comm=sum(split.values()), bubble=bubble, optimizer=optimizer,
                     step=total, tokens_per_s_per_gpu=tokens / total, model_tflops_per_gpu=tflops,

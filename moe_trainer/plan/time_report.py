@@ -1,70 +1,42 @@
-"""The step-time estimate and the layout search as markdown and JSON, the calibration table, and the
-load imbalance read from a run directory."""
+"""The step-time estimate and the layout search as markdown and JSON, and the calibration table."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Optional
 
 from .gpus import EFFICIENCY_SOURCES, Efficiency, Gpu
-from .params import PlanError
 from .published import Published, estimate_in_unit, ratio
 from .report import _table
-from .time import TRAINER_OVERLAPS, Mechanisms, StepTime
+from .time import TRAINER_OVERLAPS, Mechanisms, Replacement, StepTime
 from .work import Setup
 
 _COMM_LABELS = (("tensor", "tensor parallel"), ("context", "context parallel"), ("all_to_all", "expert all-to-all"),
-                ("pipeline", "pipeline send/recv"), ("data_parallel", "ZeRO-1 reductions"))
+                ("pipeline", "pipeline send/recv"), ("data_parallel", "ZeRO-1 reductions"),
+                ("replacement", "expert re-placement"))
 
 
-def load_imbalance(run_dir: str, ep: int) -> float:
-    """The busiest EP rank's load over the mean, from a run directory's expert_load/ files: per file
-    and MoE layer, experts grouped into ep contiguous ranks (expert e on rank e // (E / ep)), the
-    busiest rank's tokens over the mean; averaged over layers and files."""
-    from ..expert_load.files import ExpertLoadError, iter_expert_load, list_expert_load_files
-    path = Path(run_dir)
-    if not path.is_dir():
-        raise PlanError(f"--load {run_dir} is not a run directory.")
-    try:
-        records = list(iter_expert_load(list_expert_load_files(path)))
-    except ExpertLoadError as e:
-        raise PlanError(f"--load {run_dir}: {e}") from None
-    if not records:
-        raise PlanError(f"--load {run_dir} has no readable expert_load/ files (a MoE run writes them).")
-    shares = []
-    for r in records:
-        counts = r.counts.double()
-        experts = counts.shape[1]
-        if experts % ep:
-            raise PlanError(f"--load {run_dir} counts {experts} experts, which ep {ep} does not divide.")
-        per_rank = counts.reshape(counts.shape[0], ep, experts // ep).sum(-1)  # [layers, ep]
-        mean = per_rank.mean(-1).clamp_min(1e-9)
-        shares.append((per_rank.max(-1).values / mean).mean().item())  # host sync: a tool, not a hot path
-    return sum(shares) / len(shares)
+def _cell(r: StepTime, key: str) -> str:
+    v = getattr(r, key) if hasattr(r, key) else r.split[key]
+    return f"{v:.3f} s ({v / r.step:.1%})"
 
 
-def _row(label: str, key: str, a: StepTime, b: Optional[StepTime]) -> list[str]:
-    def cell(r: StepTime) -> str:
-        v = getattr(r, key) if hasattr(r, key) else r.split[key]
-        return f"{v:.3f} s ({v / r.step:.1%})"
-    return [label, cell(a)] + ([cell(b)] if b else [])
+def format_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms, columns: list[tuple[str, StepTime]]) -> str:
+    """The step split and rates per column (forced balance first, then the natural load, then the load as
+    re-placement leaves it), the communication table (whether this trainer overlaps each kind)."""
+    balanced = columns[0][1]
+    runs = [r for _, r in columns]
 
-
-def format_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms, balanced: StepTime,
-                natural: Optional[StepTime], natural_source: str) -> str:
-    """The step split, rates, the communication table (whether this trainer overlaps each kind)."""
-    cols = ["part of the step", "forced balance"] + ([f"natural (imbalance {natural.imbalance:.3f}: "
-                                                      f"{natural_source})"] if natural else [])
-    rows = [_row("compute", "compute", balanced, natural)]
-    rows += [_row(f"exposed {label}", key, balanced, natural) for key, label in _COMM_LABELS
-             if balanced.totals[key] or (natural and natural.totals[key])]
-    rows += [_row("pipeline bubble", "bubble", balanced, natural), _row("optimizer step", "optimizer", balanced, natural)]
-    if balanced.host_wait or (natural and natural.host_wait):
-        rows.append(_row("device waiting for the host's launches", "host_wait", balanced, natural))
+    def row(label: str, key: str) -> list[str]:
+        return [label] + [_cell(r, key) for r in runs]
+    rows = [row("compute", "compute")]
+    rows += [row(f"exposed {label}", key) for key, label in _COMM_LABELS if any(r.totals[key] for r in runs)]
+    rows += [row("pipeline bubble", "bubble"), row("optimizer step", "optimizer")]
+    if any(r.host_wait for r in runs):
+        rows.append(row("device waiting for the host's launches", "host_wait"))
 
     def rates(r: StepTime) -> list[str]:
         return [f"{r.step:.3f} s", f"{r.tokens_per_s_per_gpu:,.0f}", f"{r.model_tflops_per_gpu:.1f}", f"{r.mfu:.1%}"]
-    rate_rows = [["step", "tokens/s per GPU", "model TFLOP/s per GPU", "MFU (of BF16 peak)"]]
+    rate_names = ["step", "tokens/s per GPU", "model TFLOP/s per GPU", "MFU (of BF16 peak)"]
     comm = [[label, f"{balanced.totals[key]:.3f} s", f"{balanced.split[key]:.3f} s", TRAINER_OVERLAPS[label]]
             for key, label in _COMM_LABELS if balanced.totals[key]]
     kinds = {k.split(".", 1)[1]: v for k, v in balanced.totals.items() if k.startswith("compute.")}
@@ -72,10 +44,9 @@ def format_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms, balanced:
              f"Layout: tp {s.tp} x cp {s.cp} x pp {s.pp} (v {s.virtual_stages}) x dp {s.dp}, ep {s.ep}; "
              f"{s.micro_batches} micro-batches of {s.micro_batch_size} x {s.seq_len} tokens per step; recompute "
              f"{s.recompute}; busiest stage {balanced.stage}.", "",
-             *_table(cols, rows), "",
-             *_table(["", "forced balance"] + (["natural"] if natural else []),
-                     [[name] + [rates(balanced)[i]] + ([rates(natural)[i]] if natural else [])
-                      for i, name in enumerate(rate_rows[0])]), "",
+             *_table(["part of the step"] + [name for name, _ in columns], rows), "",
+             *_table([""] + [name.split(" (")[0] for name, _ in columns],
+                     [[name] + [rates(r)[i] for r in runs] for i, name in enumerate(rate_names)]), "",
              "Compute per step by kind: " + ", ".join(f"{k} {v:.3f} s" for k, v in kinds.items()) + ".", "",
              *(_table(["communication", "per step", "exposed", "overlapped by this trainer today?"], comm)
                if comm else []), "",
@@ -87,13 +58,15 @@ def format_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms, balanced:
 
 
 def time_to_dict(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms, balanced: StepTime,
-                 natural: Optional[StepTime]) -> dict:
+                 natural: Optional[StepTime], replaced: Optional[tuple[StepTime, Replacement, str]] = None) -> dict:
     layout = {k: getattr(s, k) for k in ("name", "gpus", "tp", "cp", "pp", "virtual_stages", "ep", "dp",
                                           "micro_batches", "micro_batch_size", "seq_len", "recompute")}
     return {"layout": layout, "gpu": dataclasses.asdict(gpu), "efficiency": dataclasses.asdict(eff),
             "efficiency_sources": EFFICIENCY_SOURCES, "mechanisms": dataclasses.asdict(mech),
             "trainer_overlaps": TRAINER_OVERLAPS, "balanced": dataclasses.asdict(balanced),
-            "natural": dataclasses.asdict(natural) if natural else None}
+            "natural": dataclasses.asdict(natural) if natural else None,
+            "replaced": {**dataclasses.asdict(replaced[0]), "replacement": dataclasses.asdict(replaced[1]),
+                         "source": replaced[2]} if replaced else None}
 
 
 def format_calibration(rows: list[tuple[Published, StepTime]]) -> str:
