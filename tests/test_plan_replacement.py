@@ -156,3 +156,17 @@ def test_cli_time_shows_the_replaced_column(tmp_path):
                *sets)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "is not a run directory" in bad.stderr
 
+
+def test_the_cpu_prediction_of_the_replace_bench(tmp_path):
+    """bench.replace --predict: each configuration at the share the planner replays from the off run's load,
+    on this machine's measured rates; only the copies pay the copies' traffic."""
+    from moe_trainer.bench.replace import predict
+    load = _load(tmp_path, lambda k: torch.tensor([60.0] + [1.0] * 15), steps=24)
+    p = predict(2, tmp_path, 8, 1, 1, ())
+    off, on, copies = p["off"], p["on"], p["copies"]
+    assert off["share"] == pytest.approx(natural_imbalance(load, 2))
+    assert copies["share"] < on["share"] <= off["share"] + 1e-9
+    assert copies["step_s"] < off["step_s"] and copies["copies_s"] > 0 == on["copies_s"] == off["copies_s"]
+    assert on["moves_s"] >= 0 and off["moves_s"] == 0
+    x = p["experts"]
+    assert x["share"] == pytest.approx(off["share"], rel=0.05) and x["even_s"] > 0 and x["busiest_s"] > 0

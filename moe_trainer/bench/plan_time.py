@@ -81,7 +81,6 @@ def kernel_efficiency(cfg, s, peak_tflops: float) -> dict:
     the routed experts' forward + backward as the kernel back end runs them (grouped), and the causal
     attention core's forward and backward (attn_fwd, attn_bwd), FLOPs counted as the step model counts them."""
     from .. import kernels
-    from ..moe.experts import Experts
     from ..plan.work import _attn_dims, attention_core_flops
     m, peak = cfg.model, peak_tflops * 1e12
     mbs, seq = cfg.train.micro_batch_size, cfg.train.seq_len
@@ -95,19 +94,27 @@ def kernel_efficiency(cfg, s, peak_tflops: float) -> dict:
     bwd_s = _median_seconds(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
     fwd_flops, bwd_flops = attention_core_flops(m, s)
     # every routed copy of the micro-batch's tokens, spread evenly over all the experts on one rank
-    n, f = m.n_routed_experts, m.moe_intermediate_size
+    n = m.n_routed_experts
     rows = mbs * seq * m.num_experts_per_tok
-    experts = Experts(n, m.hidden_size, f)
+    counts = [rows // n] * n
+    counts[-1] += rows - sum(counts)
+    experts_flops = 3 * 2.0 * rows * 3 * m.hidden_size * m.moe_intermediate_size  # three GEMMs, fwd + two bwd
+    return {"grouped": experts_flops / experts_seconds(m, counts) / peak, "attn_fwd": fwd_flops / fwd_s / peak,
+            "attn_bwd": bwd_flops / bwd_s / peak}
+
+
+def experts_seconds(m, counts: list[int]) -> float:
+    """The median forward + backward of the experts module (len(counts) experts of the config's shape, as
+    the kernel back end runs them) on counts[e] rows for expert e."""
+    from ..moe.experts import Experts
+    rows = sum(counts)
+    experts = Experts(len(counts), m.hidden_size, m.moe_intermediate_size)
     for w in (experts.gate_up_proj, experts.down_proj):
         torch.nn.init.normal_(w, std=m.initializer_range)
     x = torch.randn(rows, m.hidden_size, requires_grad=True)
     gate = torch.rand(rows, requires_grad=True)
-    counts = torch.full((n,), rows // n, dtype=torch.int64)
-    counts[-1] += rows - int(counts.sum())
-    experts_s = _median_seconds(lambda: experts(x, counts, gate).sum().backward())
-    experts_flops = 3 * 2.0 * rows * 3 * m.hidden_size * f  # three GEMMs, forward + two backward
-    return {"grouped": experts_flops / experts_s / peak, "attn_fwd": fwd_flops / fwd_s / peak,
-            "attn_bwd": bwd_flops / bwd_s / peak}
+    c = torch.tensor(counts, dtype=torch.int64)
+    return _median_seconds(lambda: experts(x, c, gate).sum().backward())
 
 
 # the 2-rank run of 2026-12-06 02:48 UTC (docs/PLANS.md, "The CPU as a calibration point"): one thread per

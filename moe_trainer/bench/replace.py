@@ -1,7 +1,8 @@
 """Online expert re-placement (parallel.replace_every) under skewed routing: step time with it on and off.
 
     python -m moe_trainer.bench.replace [--rounds 3] [--steps 24] [--every 8] [--skew 0.3] [--world 2]
-                                        [--redundant R] [--topk K] [--set KEY=VALUE ...] [--out FILE.json]
+                                        [--redundant R] [--topk K] [--set KEY=VALUE ...] [--predict]
+                                        [--out FILE.json]
 
 moe_tiny (16 routed experts, top-4 of 4 groups, 3 MoE layers) at ep = world (2 CPU ranks by default),
 fp32, its balancing biases skewed on purpose (debug.route_skew, expert 0 favoured most, bias updates
@@ -20,6 +21,10 @@ the config's 4 groups, 2 of them chosen, supply up to 8): with K = 1 and a stron
 than an EP rank's fair share, which no permutation of the owned slots can balance and a copy can. Per
 configuration the busiest rank's share the search predicted (`event: replace`'s
 predicted_rank_max_over_mean_after, of the decisions applied) is printed beside the measured one.
+--predict sets the step model against the runs (`predict`): this machine's rates measured after them
+(bench.plan_time's, one thread a rank), the first `off` run's expert load replayed by the planner at
+each configuration (plan/replacement.py), each run's predicted step beside its measured median and the
+predicted off/on and off/copies beside the measured ones.
 """
 from __future__ import annotations
 
@@ -38,11 +43,16 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/moe_tiny.yaml"
 
 
+def _model_sets(topk: int, extra: tuple) -> list[str]:
+    """The overrides that shape the model (the same in every run and in the prediction)."""
+    return list(extra) + ([f"model.num_experts_per_tok={topk}"] if topk else []) + ["train.dtype=fp32"]
+
+
 def run(world: int, out: Path, steps: int, every: int, skew: float, redundant: int = 0, topk: int = 0,
         extra: tuple = ()) -> list[dict]:
-    sets = list(extra) + ([f"model.num_experts_per_tok={topk}"] if topk else [])
+    sets = _model_sets(topk, extra)
     sets += [f"parallel.redundant_slots={redundant}", f"train.max_steps={steps}", "train.eval_every=0", "train.checkpoint_every=0", "train.resume=none",
-            "train.log_every=1", "train.dtype=fp32", f"parallel.ep={world}", f"debug.route_skew={skew}",
+            "train.log_every=1", f"parallel.ep={world}", f"debug.route_skew={skew}",
             "model.bias_update_speed=0", f"parallel.replace_every={every}", f"run.out_dir={out}",
             "metrics.peak_tflops=1.0"]
     args = [f"--config={CONFIG}"] + [a for s in sets for a in ("--set", s)]
@@ -53,6 +63,73 @@ def run(world: int, out: Path, steps: int, every: int, skew: float, redundant: i
     if proc.returncode:
         raise SystemExit(f"run {out} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def predict(world: int, load_dir: Path, every: int, redundant: int, topk: int, extra: tuple) -> dict:
+    """The step model's step for off, on and copies (plan/time.py on this machine's rates, measured as
+    bench.plan_time measures them at one thread a rank, as the runs have), each at the busiest EP rank's
+    share the planner replays from the `off` run's expert load (plan/replacement.py), with the moves'
+    and copies' traffic it charges."""
+    from ..plan import replacement
+    from ..plan.time import Mechanisms, step_time
+    from ..plan.work import setup_from_config
+    from ..resolve import load_config
+    from .plan_time import cpu_model, experts_seconds
+    sets = _model_sets(topk, extra)
+    base = load_config(str(ROOT / CONFIG), sets)
+    cpu, eff, rates = cpu_model(base, world, 1)
+    load = replacement.read_load(str(load_dir))
+    out = {"rates": rates, "experts": _experts_cost(base.model, base.train, load, world, experts_seconds)}
+    for name, ev, r in (("off", 0, 0), ("on", every, 0), ("copies", every, redundant)):
+        if name == "copies" and not redundant:
+            continue
+        cfg = load_config(str(ROOT / CONFIG), sets + [f"parallel.ep={world}", f"parallel.replace_every={ev}",
+                                                      f"parallel.redundant_slots={r}"])
+        s, mech = setup_from_config(cfg, world, gpus_per_node=world), Mechanisms(host="inline")
+        share, rep, _ = replacement.at_layout(load, world, ev, r, replacement.paying(s, cpu, eff, mech))
+        t = step_time(s, cpu, eff, mech, share, rep)
+        out[name] = {"step_s": t.step, "share": share, "moves_s": t.totals["replacement.moves"],
+                     "copies_s": t.totals["replacement.copies"]}
+    return out
+
+
+def _experts_cost(m, t, load, world: int, experts_seconds) -> dict:
+    """What the busiest rank's share costs the experts module on this machine: its forward + backward on a
+    rank's mean routed rows of a micro-batch spread evenly over the rank's experts, and on the busiest
+    home rank's rows as the load's first file routes them to its experts (first MoE layer); the step
+    model charges the share itself."""
+    local = m.n_routed_experts // world
+    rows = t.micro_batch_size * t.seq_len * m.num_experts_per_tok  # a rank's routed rows per micro-batch
+    counts = load.records[0][1][0].view(world, local)  # (ep, local experts), at home
+    busiest = counts[counts.sum(1).argmax()]
+    as_routed = [round(float(c)) for c in busiest / counts.sum() * rows * world]
+    even = [rows // local] * local
+    even[-1] += rows - sum(even)
+    return {"even_s": experts_seconds(m, even), "busiest_s": experts_seconds(m, as_routed),
+            "share": sum(as_routed) / rows}
+
+
+def _prediction_lines(pred: dict, results: list[dict], every: int) -> list[str]:
+    """Predicted against measured: each run's step without the moves (the median leaves the steps that move
+    out), the moves amortised, and the ratios off/on and off/copies."""
+    names = [n for n in ("off", "on", "copies") if n in pred]
+    measured = {n: statistics.median(r[n]["step_s"] for r in results) for n in names}
+    lines = []
+    for n in names:
+        p = pred[n]
+        lines.append(f"  {n}: busiest rank {p['share']:.2f}x mean; step {(p['step_s'] - p['moves_s']) * 1e3:.0f} ms "
+                     f"(copies' traffic {p['copies_s'] * 1e3:.1f}) against {measured[n] * 1e3:.0f} ms measured: "
+                     f"predicted / measured {(p['step_s'] - p['moves_s']) / measured[n]:.2f}; the moves amortised "
+                     f"over {every} steps {p['moves_s'] * 1e3:.2f} ms")
+    x = pred["experts"]
+    lines.append(f"  the experts' forward + backward here: {x['even_s'] * 1e3:.1f} ms on a rank's mean rows spread "
+                 f"evenly, {x['busiest_s'] * 1e3:.1f} ms on the busiest rank's ({x['share']:.2f}x as many, as routed): "
+                 f"{x['busiest_s'] / x['even_s']:.2f}x, where the model charges {x['share']:.2f}x")
+    for n in names[1:]:
+        got = [r["off"]["step_s"] / r[n]["step_s"] for r in results]
+        lines.append(f"  off/{n}: predicted {pred['off']['step_s'] / pred[n]['step_s']:.3f}, measured median "
+                     f"{statistics.median(got):.3f} (min {min(got):.3f}, max {max(got):.3f})")
+    return lines
 
 
 def summary(rows: list[dict], every: int) -> dict:
@@ -91,9 +168,11 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=0, help="model.num_experts_per_tok (0: the config's)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="another config override for every run (e.g. model.moe_intermediate_size=512)")
+    ap.add_argument("--predict", action="store_true", help="also the step model's prediction of each run, from "
+                    "this machine's measured rates and the first off run's expert load")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
-    results = []
+    results, pred = [], None
     with tempfile.TemporaryDirectory(prefix="bench_replace_") as tmp:
         for i in range(a.rounds):
             off = summary(run(a.world, Path(tmp) / f"off{i}", a.steps, 0, a.skew, topk=a.topk, extra=a.sets), a.every)
@@ -109,6 +188,8 @@ def main(argv=None) -> int:
                 line += (f", copies {copies['step_s'] * 1e3:.0f} ms ({copies['share']:.2f}x), "
                          f"off/copies {results[-1]['copies_ratio']:.3f}")
             print(line, flush=True)
+        if a.predict:  # after the runs: the rates are measured on an idle machine
+            pred = predict(a.world, Path(tmp) / "off0", a.every, a.redundant, a.topk, tuple(a.sets))
     ratios = [r["ratio"] for r in results]
     applied = [e for r in results for e in r["on"]["events"] if e["decision"] == "apply"]
     kept = [e for r in results for e in r["on"]["events"] if e["decision"] == "keep"]
@@ -135,8 +216,12 @@ def main(argv=None) -> int:
               f"(predicted {_predicted(results, 'copies')}); "
               f"copies placed {_copies_placed(results)}; the copies' refresh and gradients "
               f"{c_b / 2 ** 10:.0f} KiB sent a rank a step, {c_s * 1e3:.1f} ms ({100 * c_s / c_step:.2f}% of the step)")
+    if pred:
+        print("the step model (plan/time.py) on this machine's measured rates, each run at the share the planner "
+              "replays from the first off run's load (plan/replacement.py):")
+        print("\n".join(_prediction_lines(pred, results, a.every)))
     if a.out:
-        Path(a.out).write_text(json.dumps({"args": vars(a), "rounds": results}, indent=1))
+        Path(a.out).write_text(json.dumps({"args": vars(a), "rounds": results, "predicted": pred}, indent=1))
     return 0
 
 
