@@ -98,6 +98,16 @@ def test_copy_slots_equals_its_reference():
         assert online.copy_slots(load, row, ep, r) == _copy_slots_reference(load, row, ep, r), (trial, ep, n, r)
 
 
+def test_copy_rows_counts_the_owners_fan_out():
+    """A copy's refresh and hand-back load the busiest of its holders and its owner: an owner sends a hot
+    expert to every rank that holds a copy of it."""
+    home = online.home_row(8)  # ep 4, 2 experts a rank
+    assert online.copy_rows(home, [-1] * 4, 4, 1) == 0
+    assert online.copy_rows(home, [-1, 0, 0, 0], 4, 1) == 3  # rank 0 sends expert 0 three times
+    assert online.copy_rows(home, [2, 4, 6, 0], 4, 1) == 1  # each rank holds one and gives one
+    assert online.copy_rows(home, [2, 3, -1, -1, 0, 1, -1, -1], 4, 2) == 2  # rank 0 holds two, gives two
+
+
 def test_copies_refresh_tables_pair_up_and_copy_slots_balance():
     """Redundant slots: each rank's copies arrive from their owners in the order the owners send them
     (the refresh and, reversed, the gradients); the greedy fill copies the hot experts to the least

@@ -55,8 +55,8 @@ import torch
 import torch.distributed as dist
 
 from ..moe.placement import replica_candidates
-from ..moe.placement.online import (home_row, mean_imbalance, most_copies, moved_experts, n_copy_layers, rank_loads,
-                                    replan, slot_row)
+from ..moe.placement.online import (copy_rows, home_row, mean_imbalance, moved_experts, rank_loads, replan,
+                                    slot_row)
 from .comm import all_to_all_rows
 from .replicas import LayerPlacement
 from .surrogate import hand_over
@@ -365,9 +365,11 @@ class Replacer:
         # at the planner's link rate, or what the last move measured if more (on CPU ranks the copies and
         # the optimizer state's edp all-reduces, not the link, set the pace)
         cost_s = max(max(per_rank) * self.expert_bytes / self.link_bytes_s, self.last_wall)
-        # copies cost every step: their refresh and their summed gradients back to the owner
-        held, held_now = most_copies(copies, self.ep, self.redundant), most_copies(cur_copies, self.ep, self.redundant)
-        copy_s = (held - held_now) * n_copy_layers(copies) * self.copy_bytes * 2 * self.every / self.link_bytes_s
+        # copies cost every step: their refresh and their summed gradients back to the owner, per layer the
+        # rows of the busiest holder or owner (an owner sends a hot expert to every rank holding a copy)
+        def rows_of(placement, held):
+            return sum(copy_rows(p, h, self.ep, self.redundant) for p, h in zip(placement, held))
+        copy_s = (rows_of(new, copies) - rows_of(cur, cur_copies)) * self.copy_bytes * 2 * self.every / self.link_bytes_s
         cost_s += max(0.0, copy_s)
         if new == cur and copies == cur_copies:
             decision, reason = "keep", "the search finds the current placement"

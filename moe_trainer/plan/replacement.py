@@ -113,7 +113,7 @@ def replaced(load: MeasuredLoad, ep: int, every: int, redundant: int,
     sees) says whether a decision is applied, as the Replacer's auto policy weighs its predicted saving
     against the move (`paying`); without it every decision is."""
     from ..moe.placement import eplb_reference
-    from ..moe.placement.online import home_row, moved_experts, replan
+    from ..moe.placement.online import copy_rows, home_row, moved_experts, replan
     _check_ep(load, ep)
     if every < 1:
         raise PlanError(f"re-placement needs parallel.replace_every >= 1, got {every}.")
@@ -130,7 +130,7 @@ def replaced(load: MeasuredLoad, ep: int, every: int, redundant: int,
         per_layer = [moved_experts(old, n, ep) for old, n in zip(rows, new)]
         placed = Replacement(every, sum(max(m) for m in per_layer) / n_layers,
                              sum(old != n for old, n in zip(rows, new)) / n_layers,
-                             sum(_copy_rows(new[i], held[i], ep, redundant) for i in range(n_layers)) / n_layers)
+                             sum(copy_rows(new[i], held[i], ep, redundant) for i in range(n_layers)) / n_layers)
         if pays is None or pays(_share(window, rows, copies, ep), _share(window, new, held, ep), kept, placed):
             rows, copies, applied = new, held, applied + 1
             traffic.append(placed)
@@ -154,22 +154,6 @@ def paying(s, gpu, eff, mech) -> Callable[[float, float, Replacement, Replacemen
         return step_time(s, gpu, eff, mech, placed_share, placed).step < \
             step_time(s, gpu, eff, mech, kept_share, kept).step
     return pays
-
-
-def _copy_rows(row: list[int], replicas: list[int], ep: int, r: int) -> int:
-    """The copies' rows the busiest EP rank sends or receives in one refresh (and, reversed, in the
-    hand-back of their gradients): per rank the copies it holds (received) and the copies of its own
-    experts on other ranks (sent), the larger."""
-    if not r:
-        return 0
-    s0 = len(row) // ep
-    owner = {e: q // s0 for q, e in enumerate(row)}
-    held = [sum(1 for e in replicas[q * r:(q + 1) * r] if e >= 0) for q in range(ep)]
-    given = [0] * ep
-    for e in replicas:
-        if e >= 0:
-            given[owner[e]] += 1
-    return max(max(h, g) for h, g in zip(held, given))
 
 
 def at_layout(load: MeasuredLoad, ep: int, every: int, redundant: int,

@@ -127,15 +127,20 @@ def rank_loads(load: torch.Tensor, row: list[int], ep: int, replicas: Optional[l
     return per_slot.view(ep, -1).sum(1)
 
 
-def n_copy_layers(copies: list[list[int]]) -> int:
-    """MoE layers with at least one copy."""
-    return sum(1 for c in copies if any(e >= 0 for e in c))
-
-
-def most_copies(copies: list[list[int]], ep: int, r: int) -> int:
-    """The most copies one EP rank holds in one MoE layer (each layer's `copies`: ep * r ids, -1 = empty)."""
-    return max((sum(1 for e in c[q * r:(q + 1) * r] if e >= 0) for c in copies for q in range(ep)), default=0) \
-        if r else 0
+def copy_rows(row: list[int], replicas: list[int], ep: int, r: int) -> int:
+    """The copies' rows the busiest EP rank sends or receives in one layer's refresh (and, reversed, in the
+    hand-back of their gradients): per rank the copies it holds (received) and the copies of its own
+    experts on other ranks (sent: an owner sends a row to every holder), the larger."""
+    if not r:
+        return 0
+    s0 = len(row) // ep
+    owner = {e: q // s0 for q, e in enumerate(row)}
+    held = [sum(1 for e in replicas[q * r:(q + 1) * r] if e >= 0) for q in range(ep)]
+    given = [0] * ep
+    for e in replicas:
+        if e >= 0:
+            given[owner[e]] += 1
+    return max(max(h, g) for h, g in zip(held, given))
 
 
 def mean_imbalance(loads: list[torch.Tensor]) -> float:
