@@ -81,6 +81,9 @@ class StepTimes:
     backward: float = 0.0
     optimizer: float = 0.0
     pipeline_wait: float = 0.0
+    # parallel.replace_every at the step boundary before this step: the copies' refresh, a decision's moves
+    # (Replacer.after_step's wall; it synchronises the device at a decision)
+    replacement: float = 0.0
 
     def as_dict(self) -> dict:
         return {f"time.{k}_s": v for k, v in self.__dict__.items()}
@@ -169,6 +172,7 @@ class Trainer:
             self.replacer = Replacer(cfg, self.slots, self.engine, device, self.peak)
         self._stopping = False
         self._term = False
+        self._replacing = 0.0  # the last step boundary's re-placement wall, charged to the next step
         self.data_offset = 0  # batches skipped by rollbacks: step s trains on sample position s + offset
         # the two components the loop calls at fixed points: what it reports, and what guards it
         self.observers = Observers(cfg, mesh, self.engine, self.expert_load, device, self.peak)
@@ -257,7 +261,11 @@ class Trainer:
             if self.guards.after_step(record):  # bit flips, the NaN policy, the spike guard
                 continue  # rolled back: the step counter is the checkpoint's now
             if self.replacer is not None:  # a step boundary: the experts may move (collective)
+                started = time.perf_counter()
                 event = self.replacer.after_step(self.step, record["expert"])
+                # no step's clock runs here: its wall goes into the next step's time (finish_step), as its
+                # traffic goes into the next step's counters
+                self._replacing = time.perf_counter() - started
                 if event is not None:
                     self.observers.event(self.step, event)
             self._stopping = self.any_rank(self._term) or self.step == t.stop_at_step
@@ -389,6 +397,8 @@ class Trainer:
         self.observers.noise_scale(skipped)
         expert = self.expert_load.update_bias(apply=not skipped)
         step_time = time.perf_counter() - t0  # after reduce_losses' host sync: the step's kernels are done
+        times.replacement, self._replacing = self._replacing, 0.0
+        step_time += times.replacement
         return {"losses": losses, "times": times, "step_time": step_time, "expert": expert,
                 "comm": self.comm.reset(self.clock), "skipped": skipped}
 

@@ -261,6 +261,9 @@ def test_copies_overlapped_or_compiled_equal_the_one_rank_run(tmp_path, moe_refe
     assert all((r.get("comm.overlapped_dispatch_s", 0) > 0) == (overlap == "a2a") for r in rows)
     for r in rows[1:]:  # copies from step 2 on
         assert r["comm.expert_copies_grad_sent_bytes"] == r["comm.expert_copies_sent_bytes"] > 0, r
+    # the step boundary's moves and refresh are charged to the next step's time (none before step 1)
+    assert rows[0]["time.replacement_s"] == 0
+    assert all(0 < r["time.replacement_s"] < r["step_time_s"] for r in rows[1:])
 
 
 def test_copies_in_interleaved_overlapped_pipeline_equal_the_plain_run(tmp_path):
@@ -287,7 +290,8 @@ def test_replacement_balances_skewed_routing(tmp_path):
     """Balancing biases skewed on purpose (debug.route_skew, updates off): at home every token goes to the
     experts of EP rank 0 (its share 2x the mean). The search on steps 1-2's load moves half of them
     (decided on the cost rule, written to metrics.jsonl) and the measured share falls to <= 1.10x;
-    at step 4 the search finds nothing worth the move and keeps the placement (none after the last step)."""
+    at step 4 the search finds nothing worth the move and keeps the placement (none after the last step).
+    The move's wall goes into step 3's time."""
     out = tmp_path / "skew"
     check(launch(2, out, TINY + ["train.max_steps=5", "parallel.ep=2", "debug.route_skew=0.3",
                                  "model.bias_update_speed=0", "parallel.replace_every=2"]))
@@ -298,6 +302,9 @@ def test_replacement_balances_skewed_routing(tmp_path):
     first, second = (r for r in rows if r.get("event") == "replace")
     assert first["step"] == 2 and first["decision"] == "apply" and "exceeds the move's" in first["reason"]
     assert first["moved_bytes"] > 0 and first["moved_bytes_rank"] > 0 and first["wall_s"] > 0
+    # the move's wall is the next step's (step time and throughput count it), in time.replacement_s
+    after = next(r for r in rows if r.get("step") == 3 and "loss" in r)
+    assert first["wall_s"] <= after["time.replacement_s"] < after["step_time_s"]
     assert first["measured_rank_max_over_mean"] == pytest.approx(share[1] / 2 + share[2] / 2, rel=0.05)
     assert first["predicted_rank_max_over_mean_after"] <= 1.10 < first["predicted_rank_max_over_mean_before"]
     assert second["step"] == 4 and second["decision"] == "keep" and second["moved_bytes_rank"] == 0
