@@ -464,12 +464,16 @@ def stage_a2a_exposure(s: Setup, stage: int, gpu: Gpu, eff: Efficiency, mech: Me
     (`a2a_exposure`: "paired", "replay", "unpaired", "split", "exposed"), seconds."""
     f = uniform_imbalance(s) if imbalance is None else imbalance
     comm = comm_seconds(s, stage, gpu, eff, f, mech)
-    host = host_seconds(s, stage, eff, mech)
-    terms = a2a_exposure(comm["all_to_all"], comm["a2a_split"], _moe_block(s, stage, gpu, eff, mech, f), mech,
-                         _moe_launch(host) if mech.host == "inline" else 0.0, replay_share(s, mech),
-                         hiding_share(eff, mech))
+    terms = _stage_terms(s, comm, host_seconds(s, stage, eff, mech), _moe_block(s, stage, gpu, eff, mech, f), eff, mech)
     m = s.micro_batches
     return {"transfers": m * comm["all_to_all"], **{k: m * v for k, v in terms.items()}}
+
+
+def _stage_terms(s: Setup, comm: dict, host: dict, moe_block: tuple, eff: Efficiency, mech: Mechanisms) -> dict:
+    """`a2a_exposure`'s terms per micro-batch of one stage, from its `comm_seconds`, `host_seconds` and
+    `_moe_block`."""
+    return a2a_exposure(comm["all_to_all"], comm["a2a_split"], moe_block, mech,
+                        _moe_launch(host) if mech.host == "inline" else 0.0, replay_share(s, mech), hiding_share(eff, mech))
 
 
 def _moe_launch(host: dict) -> float:
@@ -479,13 +483,11 @@ def _moe_launch(host: dict) -> float:
 
 
 def _per_micro_batch(kinds: dict, comm: dict, mech: Mechanisms, host: dict, moe_block: tuple,
-                     replay: float = 0.0, hiding: float = 1.0) -> tuple[float, float, dict, float]:
+                     a2a: float) -> tuple[float, float, dict, float]:
     """(seconds per micro-batch, compute, exposed communication by kind, host wait) of one stage.
-    `moe_block`: `_moe_block`'s tuple; `replay`: `replay_share`; `hiding`: `hiding_share`."""
+    `moe_block`: `_moe_block`'s tuple; `a2a`: the all-to-all the stage waits for (`_stage_terms`' exposed)."""
     c = sum(kinds.values())
     n_moe, dev_moe = moe_block[:2]
-    a2a = a2a_exposure(comm["all_to_all"], comm.get("a2a_split", 0.0), moe_block, mech,
-                       _moe_launch(host) if mech.host == "inline" else 0.0, replay, hiding)["exposed"]
     exposed = {
         "tensor": max(0.0, comm["tensor"] - kinds["gemm"]) if mech.tp_overlap else comm["tensor"],
         "context": max(0.0, comm["context"] - kinds["attention"]) if mech.tp_overlap else comm["context"],
@@ -573,10 +575,12 @@ def step_time(s: Setup, gpu: Gpu, eff: Efficiency, mech: Mechanisms = TRAINER_TO
     f = uniform_imbalance(s) if imbalance is None else imbalance
     if f < 1:
         raise PlanError(f"the load imbalance (busiest EP rank over the mean) must be at least 1, got {f:g}.")
-    per_stage = [(stage_compute(s, st, gpu, eff, mech, f), comm_seconds(s, st, gpu, eff, f, mech),
-                  mech, host_seconds(s, st, eff, mech), _moe_block(s, st, gpu, eff, mech, f), replay_share(s, mech),
-                  hiding_share(eff, mech)) for st in range(s.pp)]
-    rows = [(*_per_micro_batch(*ps), ps[0], ps[1]) for ps in per_stage]
+    rows = []
+    for st in range(s.pp):
+        kinds, comm = stage_compute(s, st, gpu, eff, mech, f), comm_seconds(s, st, gpu, eff, f, mech)
+        host, block = host_seconds(s, st, eff, mech), _moe_block(s, st, gpu, eff, mech, f)
+        a2a = _stage_terms(s, comm, host, block, eff, mech)["exposed"]
+        rows.append((*_per_micro_batch(kinds, comm, mech, host, block, a2a), kinds, comm))
     if mech.schedule == "dualpipe":
         # DualPipe feeds micro-batches from both ends: rank r holds stage r and stage p-1-r (two copies of
         # the parameters, arXiv:2412.19437 sec. 3.2.1) and runs half the micro-batches through each, so
