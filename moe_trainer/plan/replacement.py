@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from .params import PlanError
-from .time import Replacement
+from .time import Replacement, step_time
 
 DECISIONS = 4  # the last decisions replayed: the moves and shares in steady state, in seconds for 671B
 
@@ -148,8 +148,6 @@ def paying(s, gpu, eff, mech) -> Callable[[float, float, Replacement, Replacemen
     """The Replacer's auto policy in the step model's terms: a decision is applied where the step with it
     (the placed share, its moves shared over the interval, its copies) is shorter than the step without
     (the kept share and copies), i.e. where the saving over the interval exceeds the move's cost."""
-    from .time import step_time
-
     def pays(kept_share: float, placed_share: float, kept: Replacement, placed: Replacement) -> bool:
         return step_time(s, gpu, eff, mech, placed_share, placed).step < \
             step_time(s, gpu, eff, mech, kept_share, kept).step
