@@ -155,11 +155,16 @@ def _gpu_eff(args):
     return gpus_mod.with_overrides(gpus_mod.gpu_named(args.gpu), gpus_mod.Efficiency(), args.gpu_set, args.eff_set)
 
 
-def _natural(args, setup, load) -> tuple[float | None, str]:
-    """The natural load imbalance at the setup's ep: measured with the experts at home (--load), given
-    (--imbalance), or None (uniform routing's statistical maximum)."""
+def _measured(args):
+    """--load's run, read (None without it); --load and --imbalance exclude each other."""
     if args.load and args.imbalance is not None:
         raise plan.PlanError("give --load RUN_DIR or --imbalance X, not both.")
+    return replacement.read_load(args.load) if args.load else None
+
+
+def _natural(args, setup, load) -> tuple[float | None, str]:
+    """The natural load imbalance at the setup's ep: measured with the experts at home (`load`, --load), given
+    (--imbalance), or None (uniform routing's statistical maximum)."""
     if load:
         return replacement.natural_imbalance(load, setup.ep), f"measured from {args.load}"
     if args.imbalance is not None:
@@ -187,7 +192,7 @@ def _run_time(args, argv) -> int:
     mech = time_mod.dataclasses.replace(mech, a2a_overlap=mech.a2a_overlap or args.overlap,
                                         gemm_dtype=args.gemm_dtype or mech.gemm_dtype)
     gpu, eff = _gpu_eff(args)
-    load = replacement.read_load(args.load) if args.load else None
+    load = _measured(args)
     balanced = time_mod.step_time(setup, gpu, eff, mech, 1.0)
     value, source = _natural(args, setup, load)
     natural = time_mod.step_time(setup, gpu, eff, mech, value) if setup.ep > 1 else None
@@ -226,7 +231,7 @@ def _run_search(args, argv) -> int:
         cfg = load_config(args.config, args.set + ["parallel.overlap=none"], read_init_from=True)
     gpu, eff = _gpu_eff(args)
     mech = time_mod.Mechanisms(a2a_overlap=args.overlap, gemm_dtype=args.gemm_dtype or "bf16")
-    load = replacement.read_load(args.load) if args.load else None
+    load = _measured(args)
     value, _ = _natural(args, setup_from_config(cfg, args.gpus), load)
     best, tried, fit = search_mod.search(cfg, args.gpus, gpu, eff, mech, args.gpu_memory_gb, value,
                                          overlap=requested, load=load)

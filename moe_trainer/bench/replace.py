@@ -74,12 +74,12 @@ def predict(world: int, load_dir: Path, every: int, redundant: int, topk: int, e
     from ..plan.time import Mechanisms, step_time
     from ..plan.work import setup_from_config
     from ..resolve import load_config
-    from .plan_time import cpu_model, experts_seconds
+    from .plan_time import cpu_model
     sets = _model_sets(topk, extra)
     base = load_config(str(ROOT / CONFIG), sets)
     cpu, eff, rates = cpu_model(base, world, 1)
     load = replacement.read_load(str(load_dir))
-    out = {"rates": rates, "experts": _experts_cost(base.model, base.train, load, world, experts_seconds)}
+    out = {"rates": rates, "experts": _experts_cost(base.model, base.train, load, world)}
     for name, ev, r in (("off", 0, 0), ("on", every, 0), ("copies", every, redundant)):
         if name == "copies" and not redundant:
             continue
@@ -93,11 +93,12 @@ def predict(world: int, load_dir: Path, every: int, redundant: int, topk: int, e
     return out
 
 
-def _experts_cost(m, t, load, world: int, experts_seconds) -> dict:
+def _experts_cost(m, t, load, world: int) -> dict:
     """What the busiest rank's share costs the experts module on this machine: its forward + backward on a
     rank's mean routed rows of a micro-batch spread evenly over the rank's experts, and on the busiest
     home rank's rows as the load's first file routes them to its experts (first MoE layer); the step
     model charges the share itself."""
+    from .plan_time import experts_seconds
     local = m.n_routed_experts // world
     rows = t.micro_batch_size * t.seq_len * m.num_experts_per_tok  # a rank's routed rows per micro-batch
     counts = load.records[0][1][0].view(world, local)  # (ep, local experts), at home

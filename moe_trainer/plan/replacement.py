@@ -64,12 +64,11 @@ def _check_ep(load: MeasuredLoad, ep: int) -> None:
 def natural_imbalance(load: MeasuredLoad, ep: int) -> float:
     """The busiest EP rank's load over the mean with the experts at home (expert e on rank e // (E / ep)):
     per file and MoE layer, averaged over layers and files."""
+    from ..moe.placement.online import home_row
     _check_ep(load, ep)
-    shares = []
-    for _, counts in load.records:
-        per_rank = counts.reshape(counts.shape[0], ep, -1).sum(-1)  # (layers, ep)
-        shares.append((per_rank.max(-1).values / per_rank.mean(-1).clamp_min(1e-9)).mean().item())  # a tool's read
-    return sum(shares) / len(shares)
+    n_layers, e = load.records[0][1].shape
+    home, none = [home_row(e)] * n_layers, [[] for _ in range(n_layers)]
+    return sum(_share(counts, home, none, ep) for _, counts in load.records) / len(load.records)
 
 
 @dataclass(frozen=True)

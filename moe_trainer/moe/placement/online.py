@@ -50,8 +50,9 @@ def copy_slots(load: torch.Tensor, row: list[int], ep: int, r: int) -> list[int]
         return total
     cur = [load_of(q) for q in range(ep)]
     while True:
-        busiest = max(range(ep), key=lambda q: cur[q])
+        # the busiest ranks, ties in rank order (the first is the busiest)
         top = heapq.nlargest(min(ep, r + 3), range(ep), key=cur.__getitem__)
+        busiest = top[0]
         best = None
         for e in sorted(held[busiest], key=lambda e: -w[e] / len(holders[e])):
             has = set(holders[e])
