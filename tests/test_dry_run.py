@@ -68,6 +68,13 @@ def dry_run(argv: list[str], patch: str = "", timeout: int = 240) -> subprocess.
                           timeout=timeout, check=False)
 
 
+def short(global_batch: int) -> list[str]:
+    """moe_tiny cut to the shortest run that still reaches what a case checks: a dense and a MoE layer,
+    `global_batch` sequences a step in micro-batches of 2 (the reports of the layouts that pass walk the
+    whole config)."""
+    return ["--set", "model.num_hidden_layers=2", "--set", f"train.global_batch_size={global_batch}"]
+
+
 def error_line(proc: subprocess.CompletedProcess) -> str:
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert lines, proc.stderr[-3000:]
@@ -131,8 +138,8 @@ def test_roles_runs_one_rank_per_stage(tmp_path):
 
 
 def test_cpu_tensor_in_collective_fails():
-    proc = dry_run(["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "2", "--ranks", "0"],
-                   CPU_GATHER)
+    proc = dry_run(["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "2", "--ranks", "0"]
+                   + short(4), CPU_GATHER)
     assert proc.returncode == 1
     line = error_line(proc)
     assert "collectives take tensors on the rank's CUDA device" in line and "rank 0" in line
@@ -143,7 +150,7 @@ def test_group_created_by_moe_stages_only_fails():
     # stage 0 holds the dense layers 0-1, stage 1 the MoE layers 2-3
     proc = dry_run(["--config", "configs/moe_tiny.yaml", "--world", "4", "--gpus-per-node", "4", "--ranks", "roles",
                     "--set", "parallel.pp=2", "--set", "parallel.ep=2", "--set", "model.first_k_dense_replace=2",
-                    "--set", "parallel.pp_partition=[2,2]"], MOE_ONLY_GROUP)
+                    "--set", "parallel.pp_partition=[2,2]", "--set", "train.global_batch_size=8"], MOE_ONLY_GROUP)
     assert proc.returncode == 1
     line = error_line(proc)
     assert "every rank enters every group creation in the same order" in line
@@ -151,8 +158,8 @@ def test_group_created_by_moe_stages_only_fails():
 
 
 def test_extra_collective_on_one_rank_fails():
-    proc = dry_run(["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "2", "--ranks", "all"],
-                   EXTRA_COLLECTIVE)
+    proc = dry_run(["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "2", "--ranks", "all"]
+                   + short(4), EXTRA_COLLECTIVE)
     assert proc.returncode == 1
     line = error_line(proc)
     assert "the members of a group enter the same collectives in the same order" in line

@@ -12,20 +12,20 @@ import torch
 from moe_trainer import plan
 from moe_trainer.resolve import load_config
 from moe_trainer.parallel.dryrun.capacity import SiteMeter, knobs, verdict
-from test_dry_run import ROOT, dry_run, error_line
+from test_dry_run import ROOT, dry_run, error_line, short
 
 CONFIGS = ROOT / "configs"
-TINY = ["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "2", "--ranks", "all"]
+TINY = ["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "2", "--ranks", "all"] + short(4)
 
 
 def _tiny_plan(gpu_memory_gb: float) -> plan.Plan:
-    cfg = load_config(str(CONFIGS / "moe_tiny.yaml"))
+    cfg = load_config(str(CONFIGS / "moe_tiny.yaml"), [o for o in short(4) if o != "--set"])
     cfg.train.dtype = "bf16"  # what a CUDA run (and the dry run) resolves auto to
     return plan.make_plan(cfg, 2, gpu_memory_gb)
 
 
 def test_over_capacity_fails_with_its_sentence_and_the_planner_agrees(tmp_path):
-    """moe_tiny peaks near 0.1 GB: under a 0.02 GB card the dry run exits 1 naming the rank, its
+    """moe_tiny cut short peaks near 0.05 GB: under a 0.02 GB card the dry run exits 1 naming the rank, its
     peak, the call sites and the knobs; under 10 GB it passes. The planner says the same each time."""
     out = tmp_path / "dry.json"
     proc = dry_run(TINY + ["--gpu-memory-gb", "0.02", "--json", str(out)])

@@ -17,16 +17,16 @@ import json
 import pytest
 
 from moe_trainer.parallel.dryrun.routing import skewed_matrix
-from test_dry_run import dry_run, error_line
+from test_dry_run import dry_run, error_line, short
 
 PP2 = ["--config", "configs/moe_tiny.yaml", "--world", "4", "--gpus-per-node", "4", "--set", "parallel.pp=2",
-       "--micro-batches", "all"]
+       "--micro-batches", "all"] + short(8)
 # the layout of issue 42: stage 0 holds only dense layers, stage 1 the MoE layers, ep 2, bf16
 DENSE_STAGE = ["--config", "configs/moe_tiny.yaml", "--world", "4", "--gpus-per-node", "4",
                "--set", "model.first_k_dense_replace=2", "--set", "parallel.pp=2", "--set", "parallel.ep=2",
                "--set", "parallel.pp_partition=[2,2]", "--set", "train.dtype=bf16"]
 EP2 = ["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "2", "--set", "parallel.ep=2",
-       "--micro-batches", "all"]
+       "--micro-batches", "all"] + short(8)
 
 # one extra all-reduce on the pipeline group, made by the last stage only (as the MoE stages' expert
 # gradient norm was): the roles that share the group no longer agree
@@ -197,7 +197,8 @@ def test_extra_coalesced_collective_fails():
 
 def test_batched_transfers_need_the_rank_device_current():
     line = broken_rule(["--config", "configs/moe_tiny.yaml", "--world", "2", "--gpus-per-node", "2", "--set",
-                        "parallel.pp=2", "--ranks", "all", "--micro-batches", "all"], WRONG_CURRENT_DEVICE)
+                        "parallel.pp=2", "--ranks", "all", "--micro-batches", "all"] + short(4),
+                       WRONG_CURRENT_DEVICE)
     assert "batched point-to-point needs the rank's device set current" in line and "rank 1" in line
 
 
@@ -208,9 +209,9 @@ def test_two_loop_steps_with_every_check(ep2_run):
     # step's update made is checked before it is written: guards.before_checkpoint), and named
     # stragglers at its second step (a first step pays one-time costs)
     assert loop == "LOOP check_replicas=4 evaluate_sources=4 metrics=4 name_stragglers=2 train_step=4", loop
-    # the report counts the set-up and one training step of the schedule's 4 micro-batches
+    # the report counts the set-up and one training step of the schedule's 2 micro-batches
     for rank in ep2_run[1].values():
-        assert rank["micro_batches_run"] == [4]
+        assert rank["micro_batches_run"] == [2]
 
 
 def test_skewed_split_sizes_with_zeros(ep2_run):
