@@ -48,12 +48,35 @@ TINY = [
 ]
 
 
+# Ranks start from a fork server (one per test worker) that has imported torch, DeepSpeed and the
+# trainer once: a freshly spawned rank spent seconds of a core importing them itself, most of a small
+# distributed test's time. Each rank still runs in a process of its own, in the environment of the
+# moment it was started (_in_environment), as a spawned one did.
+RANK_PRELOAD = ["torch", "deepspeed", "moe_trainer.train", "conftest"]
+
+
+def _in_environment(rank: int, fn, environ: dict, *args) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    fn(rank, *args)
+
+
+def start_ranks(fn, world: int, *args) -> None:
+    """Run fn(rank, *args) on `world` processes started from the fork server (RANK_PRELOAD); an
+    exception in a rank is raised here, as torch.multiprocessing.spawn raises it."""
+    import multiprocessing
+    import torch.multiprocessing as mp
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts, once
+    mp.start_processes(_in_environment, args=(fn, dict(os.environ), *args), nprocs=world, join=True,
+                       start_method="forkserver")
+
+
 def spawn_ranks(fn, world: int, *args) -> dict:
-    """Run fn(rank, world, port, *args, results) on `world` spawned processes;
-    returns what the ranks stored in `results` (a shared dict keyed by rank)."""
+    """Run fn(rank, world, port, *args, results) on `world` processes (start_ranks); returns what the
+    ranks stored in `results` (a shared dict keyed by rank)."""
     import torch.multiprocessing as mp
     results = mp.Manager().dict()
-    mp.spawn(fn, args=(world, free_port(), *args, results), nprocs=world, join=True)
+    start_ranks(fn, world, world, free_port(), *args, results)
     return dict(results)
 
 

@@ -1,7 +1,7 @@
 """The planner (moe_trainer/plan.py, tools/plan.py) against what the real Trainer holds and sends (issue #8).
 
-Each case builds the real Trainer in-process on 2 spawned gloo ranks (moe_trainer.bench.layouts.
-measure_layout: as moe_trainer.train does, with DeepSpeed's comms logger switched on through
+Each case builds the real Trainer on 2 gloo rank processes (moe_trainer.bench.layouts.measure_layout,
+the ranks started by conftest.start_ranks: as moe_trainer.train does, with DeepSpeed's comms logger switched on through
 zero.deepspeed_config(comms_logger=True)), runs 2 optimizer steps, and compares rank by rank with
 plan.make_plan(cfg, 2) for the rank's pipeline stage:
 
@@ -32,7 +32,7 @@ from moe_trainer import plan
 from moe_trainer.bench.layouts import comm_by_kind, measure_layout, zero_ring_bytes
 from moe_trainer.resolve import load_config
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, start_ranks
 from test_dense_parity import DENSE
 
 MOE, LLAMA = "configs/moe_tiny.yaml", "configs/llama3_tiny.yaml"
@@ -53,7 +53,8 @@ def case(request, tmp_path_factory):
     if not any(o.startswith("train.dtype=") for o in overrides):
         overrides = overrides + ["train.dtype=fp32"]  # what these CPU ranks train in (auto: the planner assumes GPUs' bf16)
     cfg = load_config(str(ROOT / config), overrides)
-    ranks = measure_layout(config, overrides, WORLD, steps=2, out_dir=str(tmp_path_factory.mktemp("honesty")))
+    ranks = measure_layout(config, overrides, WORLD, steps=2, out_dir=str(tmp_path_factory.mktemp("honesty")),
+                           start=start_ranks)
     return request.param, cfg, plan.make_plan(cfg, WORLD), ranks
 
 

@@ -7,7 +7,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from moe_trainer.config import Layout, ModelConfig
@@ -17,7 +16,7 @@ from moe_trainer.parallel.mesh import build_mesh
 from moe_trainer.parallel.tensor import (VocabParallelCrossEntropy, apply_tensor_parallel, check_tensor_parallel,
                                          gather_logits, shard_param)
 
-from conftest import free_port
+from conftest import free_port, start_ranks
 
 B, T, L, D = 2, 8, 2, 32
 
@@ -50,7 +49,7 @@ def start(rank: int, world: int, port: int, **degrees):
 
 
 def spawn(fn, world: int, *args):
-    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
+    start_ranks(fn, world, world, free_port(), *args)
 
 
 def assert_grads_match(model, ref, cfg, mesh, reduce_cp: bool = False):

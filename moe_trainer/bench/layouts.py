@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from .turns import free_port
 
@@ -107,15 +107,20 @@ def _worker(rank, world, port, config, overrides, out_dir, steps, results):
     dist.destroy_process_group()
 
 
-def measure_layout(config: str, overrides: list[str], world: int, steps: int = 2, out_dir: Optional[str] = None
-                   ) -> list[dict]:
-    """Per-rank measurements (see the module docstring) of `steps` real trainer steps on `world` gloo ranks."""
+def _spawn(fn, world: int, *args) -> None:
+    import torch.multiprocessing as mp
+    mp.spawn(fn, args=args, nprocs=world, join=True)
+
+
+def measure_layout(config: str, overrides: list[str], world: int, steps: int = 2, out_dir: Optional[str] = None,
+                   start: Callable = _spawn) -> list[dict]:
+    """Per-rank measurements (see the module docstring) of `steps` real trainer steps on `world` gloo ranks,
+    started by `start(fn, world, *args)` (fn(rank, *args) on each; spawned processes by default)."""
     import tempfile
     import torch.multiprocessing as mp
     out_dir = out_dir or tempfile.mkdtemp(prefix="bench_layouts_")
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(world, free_port(), str(ROOT / config), list(overrides), out_dir, steps, results),
-             nprocs=world, join=True)
+    start(_worker, world, world, free_port(), str(ROOT / config), list(overrides), out_dir, steps, results)
     return [results[r] for r in range(world)]
 
 
