@@ -17,19 +17,19 @@ import pytest
 
 # master ports below the ephemeral range: a concurrent job's own connections never take one first
 from moe_trainer.bench.turns import free_port, worker_env  # noqa: F401  (free_port: used by the tests)
+from zygote import WARM
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
-# a tiny MoE that trains in seconds on one core
-# The heaviest test files (minutes of real launchers, dry runs and spawned ranks each; durations, 2026-12-06), collected first so
-# that scripts/test.sh's two workers (--dist loadfile: whole files, handed out in collection order) end
-# together instead of one running a big file alone while the other idles (scripts/test.sh turns off
-# xdist's own reordering, which hands out the files with the most tests first).
-HEAVY_FIRST = ("test_fault_drill.py", "test_dry_run_path.py", "test_reliability.py", "test_plan_honesty.py",
-               "test_dry_run.py", "test_faults.py", "test_ep_accounting.py", "test_expert_placement.py",
-               "test_checkpoint_reshard.py", "test_pp_parity.py", "test_accelerator_path.py", "test_multinode.py",
-               "test_compile.py")
+# The heaviest test files (minutes of real launchers, dry runs and ranks each; a fresh-clone suite's
+# durations, 2026-12-07), collected first so that scripts/test.sh's two workers (--dist loadfile: whole
+# files, handed out in collection order) end together instead of one running a big file alone while the
+# other idles (scripts/test.sh turns off xdist's own reordering, which hands out the files with the most
+# tests first).
+HEAVY_FIRST = ("test_fault_drill.py", "test_dry_run_path.py", "test_checkpoint_reshard.py", "test_dry_run.py",
+               "test_reliability.py", "test_replace.py", "test_compile.py", "test_faults.py", "test_pp_parity.py",
+               "test_multinode.py", "test_overlap.py", "test_expert_placement.py", "test_plan_time.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -37,6 +37,7 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest keep their order
 
 
+# a tiny MoE that trains in seconds on one core
 TINY = [
     "model.hidden_size=64", "model.num_hidden_layers=3", "model.num_attention_heads=2",
     "model.intermediate_size=128", "model.q_lora_rank=32", "model.kv_lora_rank=32",
@@ -48,11 +49,12 @@ TINY = [
 ]
 
 
-# Ranks start from a fork server (one per test worker) that has imported torch, DeepSpeed and the
-# trainer once: a freshly spawned rank spent seconds of a core importing them itself, most of a small
-# distributed test's time. Each rank still runs in a process of its own, in the environment of the
-# moment it was started (_in_environment), as a spawned one did.
-RANK_PRELOAD = ["torch", "deepspeed", "moe_trainer.train", "conftest"]
+# The in-process distributed tests' ranks start from multiprocessing's fork server (one per test
+# worker) that has imported what the zygote's launched ranks have (zygote.WARM) and this module once:
+# a freshly spawned rank spent seconds of a core importing them itself, most of a small distributed
+# test's time. Each rank still runs in a process of its own, in the environment of the moment it was
+# started (_in_environment), as a spawned one did.
+RANK_PRELOAD = [*WARM, "conftest"]
 
 
 def _in_environment(rank: int, fn, environ: dict, *args) -> None:

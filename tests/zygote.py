@@ -28,6 +28,7 @@ Protocol on stdin/stdout, one JSON object a line: the client sends {"module", "a
 at the end."""
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import os
@@ -41,21 +42,19 @@ import traceback
 GRACE_S = 5.0
 
 
+# what every rank imports on its way to the first step (conftest.start_ranks's fork server imports the same)
+WARM = ("torch",
+        "torch._dynamo",  # torch.optim's first add_param_group imports it
+        "deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage_1_and_2",
+        "deepspeed.runtime.zero.muon.muon_optimizer",  # ZeRO's sanity check and reduction import it
+        "deepspeed.runtime.bf16_optimizer", "safetensors.torch", "torch.utils.tensorboard",
+        "moe_trainer.train", "moe_trainer.trainer", "nccl_p2p_rule")
+
+
 def warm() -> None:
-    """Import what every rank imports on its way to the first step."""
-    import torch
-    import torch._dynamo  # noqa: F401  (torch.optim's first add_param_group imports it)
-    import deepspeed  # noqa: F401
-    import deepspeed.runtime.engine  # noqa: F401
-    import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
-    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (ZeRO's sanity check and reduction import it)
-    import deepspeed.runtime.bf16_optimizer  # noqa: F401
-    import safetensors.torch  # noqa: F401
-    import torch.utils.tensorboard  # noqa: F401
-    import moe_trainer.train  # noqa: F401
-    import moe_trainer.trainer  # noqa: F401
-    import nccl_p2p_rule  # noqa: F401
-    del torch
+    """Import WARM."""
+    for module in WARM:
+        importlib.import_module(module)
 
 
 def _unbuffered() -> None:
