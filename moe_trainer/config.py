@@ -214,6 +214,11 @@ class MetricsConfig:
 @dataclass
 class DebugConfig:
     trace_pipeline: bool = False  # write pipeline_trace.json/png of the last step
+    # [first, last]: steps (1-based, inclusive) run under torch.profiler on the ranks profile_ranks lists; each
+    # writes its Chrome trace and a summary (device busy by kind, idle) into <out_dir>/profile/ (profiling.py).
+    # [] = off
+    profile_steps: list = field(default_factory=list)
+    profile_ranks: list = field(default_factory=lambda: [0])
     inject_nan_steps: Optional[list] = None  # fault drill: make the loss NaN at these steps (1-based)
     # faults injected on purpose (faults.py), each fired once per run directory: KIND@STEP[:RANK] with KIND
     # bitflip | spike | hang | slow | kill | nan, e.g. [bitflip@3:1, spike@9]
@@ -487,6 +492,7 @@ def validate(cfg: Config) -> None:
     _require(p.replace_every == 0 or p.expert_placement in ("none", "auto"),
              f"parallel.replace_every places the experts itself; set parallel.expert_placement to none, not "
              f"{p.expert_placement}.")
+    _validate_profile(cfg.debug, t)
     if p.pp_partition is not None:
         chunks = p.pp * p.virtual_stages
         _require(len(p.pp_partition) == chunks and all(isinstance(n, int) and n >= 1 for n in p.pp_partition)
@@ -500,6 +506,17 @@ def validate(cfg: Config) -> None:
         for key, value in m.rope_scaling.items():
             _require(key in ("rope_type", "type", "truncate") or value is None or is_number(value),
                      f"model.rope_scaling.{key} must be a number, got {value!r}.")
+
+
+def _validate_profile(d: DebugConfig, t: TrainConfig) -> None:
+    steps, ranks = d.profile_steps, d.profile_ranks
+    ints = all(isinstance(n, int) and not isinstance(n, bool) for n in [*steps, *ranks])
+    _require(steps == [] or (ints and len(steps) == 2 and 1 <= steps[0] <= steps[1]),
+             f"debug.profile_steps must be [] (off) or [first, last], two steps with 1 <= first <= last, got {steps}.")
+    _require(not steps or steps[1] <= t.max_steps,
+             f"debug.profile_steps ends at step {steps[-1] if steps else 0}, after train.max_steps ({t.max_steps}).")
+    _require(ints and len(ranks) > 0 and all(r >= 0 for r in ranks),
+             f"debug.profile_ranks must list the ranks to profile (integers >= 0), got {ranks}.")
 
 
 def _validate_deepseek(m: ModelConfig) -> None:
@@ -603,6 +620,8 @@ def validate_layout(cfg: Config, world_size: int, local_world_size: Optional[int
     if m.arch == "deepseek_v3" and m.num_hidden_layers > m.first_k_dense_replace:
         _require(m.n_routed_experts % p.ep == 0,
                  f"model.n_routed_experts ({m.n_routed_experts}) must be divisible by parallel.ep ({p.ep}).")
+    _require(max(cfg.debug.profile_ranks) < world_size,
+             f"debug.profile_ranks ({cfg.debug.profile_ranks}) must name ranks below the world size ({world_size}).")
     per_step = t.micro_batch_size * dp
     _require(t.global_batch_size % per_step == 0,
              f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size * "

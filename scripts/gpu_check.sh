@@ -8,6 +8,11 @@
 # Everything it writes (the tests' runs, the
 # throughput runs and their final checkpoints, ~34 GB for moe_1b_gpu) goes under one scratch directory
 # in TMPDIR, deleted when the script ends, however it ends.
+# The moe_1b_gpu runs then take two more steps under torch.profiler (debug.profile_steps, outside the
+# median) and tools/plan.py --time --profile holds the step-time model's split (GEMMs, attention, the
+# rest, communication, device idle) against theirs; with PROFILE_OUT=DIR their traces and summaries are
+# kept there (DIR/<run>/), the only thing the script keeps. The four profiled steps and reading their
+# traces add about a minute (a guess: not yet run on a GPU).
 # Usage: ./scripts/gpu_check.sh [--quick] [--no-tests]   (--quick: fewer steps per throughput run;
 # --no-tests: the throughput runs alone, e.g. after the tests ran under their own time limit)
 source "$(dirname "$0")/_env.sh"
@@ -23,6 +28,8 @@ if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 
   exit 2
 fi
 "$VPY" -c "import torch; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '|', torch.cuda.device_count(), 'x', torch.cuda.get_device_name(0))"
+# the step-time model's GPU (tools/plan.py --gpu) named by the card, if it knows the card
+PLAN_GPU="$("$VPY" -c "import torch; n = torch.cuda.get_device_name(0).upper(); print(next((g.lower() for g in ('H200', 'H800', 'H100', 'B200', 'A100') if g in n), ''))")"
 GPUS="$("$VPY" -c "import torch; print(torch.cuda.device_count())")"
 if [ "$GPUS" -lt 2 ]; then
   echo "gpu_check: one GPU here, so the ep 2 / pp 2 / pp 2 x ep 2 comparisons over NCCL skip (they need 2 or 4 GPUs)."
@@ -52,13 +59,17 @@ for RUN in configs/moe_bench.yaml:false configs/moe_1b_gpu.yaml:false configs/mo
   if [ "$COMPILE" = "true" ]; then NAME="${NAME}_compiled"; fi
   # MFU against metrics.device_peak_tflops: the GPU's datasheet bf16 peak. The run ends with a
   # checkpoint (every run does), written into the scratch directory and deleted with it.
+  # moe_1b_gpu: two more steps under the profiler, left out of the median
+  LAST=$STEPS; PROFILE=()
+  if [ "$NAME" != moe_bench ]; then LAST=$((STEPS + 2)); PROFILE=(--set "debug.profile_steps=[$((STEPS + 1)),$LAST]"); fi
   "$VPY" -m moe_trainer.train --config "$CFG" --set "run.out_dir=$WORK/$NAME" --set train.dtype=bf16 \
-    --set "train.max_steps=$STEPS" --set train.log_every=1 --set train.eval_every=0 --set train.checkpoint_every=0 \
-    --set train.resume=none --set "train.compile=$COMPILE" > "$WORK/$NAME.log" 2>&1 || { tail -20 "$WORK/$NAME.log"; exit 1; }
-  "$VPY" - "$WORK/$NAME/metrics.jsonl" "$WARM" "$NAME" <<'PY'
+    --set "train.max_steps=$LAST" --set train.log_every=1 --set train.eval_every=0 --set train.checkpoint_every=0 \
+    --set train.resume=none --set "train.compile=$COMPILE" ${PROFILE[@]+"${PROFILE[@]}"} > "$WORK/$NAME.log" 2>&1 \
+    || { tail -20 "$WORK/$NAME.log"; exit 1; }
+  "$VPY" - "$WORK/$NAME/metrics.jsonl" "$WARM" "$NAME" "$STEPS" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-rows = [r for r in rows if "tokens_per_s" in r]
+rows = [r for r in rows if "tokens_per_s" in r and r["step"] <= int(sys.argv[4])]
 first = rows[0]["step_time_s"]
 rows = rows[int(sys.argv[2]):]
 tps = statistics.median(r["tokens_per_s"] for r in rows)
@@ -69,6 +80,14 @@ print(f"{sys.argv[3]}: {tps:,.0f} tokens/s, MFU {100 * mfu:.1f}% of {rows[0]['pe
       f"peak memory {max(r['memory_gb'] for r in rows):.1f} GB)")
 open(sys.argv[1].rsplit("/", 2)[0] + f"/{sys.argv[3]}.tokens_per_s", "w").write(f"{tps}\n")
 PY
+  if [ ${#PROFILE[@]} -gt 0 ]; then
+    grep "^profile rank" "$WORK/$NAME.log" || true
+    if [ -n "$PLAN_GPU" ]; then  # the model's split against the profiled steps (the run's own resolved config)
+      "$VPY" tools/plan.py --config "$WORK/$NAME/config.yaml" --gpus 1 --time --gpu "$PLAN_GPU" \
+        --profile "$WORK/$NAME" | sed -n '/^### Against the profile/,$p' || true
+    fi
+    if [ -n "${PROFILE_OUT:-}" ]; then mkdir -p "$PROFILE_OUT/$NAME" && cp "$WORK/$NAME"/profile/* "$PROFILE_OUT/$NAME/"; fi
+  fi
   rm -rf "${WORK:?}/$NAME"  # its checkpoint: the next run needs the disk
 done
 "$VPY" - "$WORK" <<'PY'

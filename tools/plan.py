@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from moe_trainer import plan  # noqa: E402
+from moe_trainer import plan, profiling  # noqa: E402
 from moe_trainer.config import ConfigError, read_config  # noqa: E402
 from moe_trainer.plan import gpus as gpus_mod, published, search as search_mod, time as time_mod  # noqa: E402
 from moe_trainer.plan import replacement, time_report  # noqa: E402
@@ -111,6 +111,8 @@ def _plan_parser() -> argparse.ArgumentParser:
                    "warm-up and cool-down chunks and the split-size exchanges stay exposed")
     t.add_argument("--load", metavar="RUN_DIR", help="natural load imbalance measured from a run's expert_load/")
     t.add_argument("--imbalance", type=float, help="natural load imbalance: the busiest EP rank's load / mean")
+    t.add_argument("--profile", metavar="RUN_DIR", help="with --time: hold the estimate against the run's profiled "
+                   "steps (its profile/, written with --set debug.profile_steps=[FIRST,LAST]), part by part")
     t.add_argument("--gpu-set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a GPU figure, e.g. --gpu-set net_gbs=25 (keys: bf16_tflops, fp8_tflops, "
                         "hbm_tbs, nvlink_gbs, net_gbs, gpus_per_node)")
@@ -176,6 +178,7 @@ def _run_time(args, argv) -> int:
     """--time: a trainer config (this trainer's mechanisms, --overlap) or a published-run file; with
     parallel.replace_every and --load, a third column: the run's load as re-placement leaves it."""
     every = redundant = 0
+    profiles = _profiles(args.profile) if args.profile else None  # read before anything is printed
     if published.is_published_file(args.config):
         pub, setup = published.load_published(args.config)
         if args.gpus != pub.gpus:
@@ -212,7 +215,21 @@ def _run_time(args, argv) -> int:
         if every and not load:
             print(f"parallel.replace_every is {every}: give --load RUN_DIR (a run's expert_load/) to estimate the "
                   f"busiest rank's share re-placement leaves and its moves' and copies' time.\n")
+        if args.profile:  # the last column: the load as the run had it, where known
+            print(time_report.format_profile_comparison(time_report.predicted_parts(columns[-1][1]), profiles,
+                                                        args.profile))
     return 0
+
+
+def _profiles(run_dir: str) -> dict:
+    """The run's profile summaries (profiling.read_summaries), or one sentence."""
+    if not Path(run_dir, "profile").is_dir():
+        raise plan.PlanError(f"--profile {run_dir}: no profile/ directory there; run with --set "
+                             f"debug.profile_steps=[FIRST,LAST] first.")
+    try:
+        return profiling.read_summaries(Path(run_dir))
+    except (OSError, ValueError, KeyError) as e:
+        raise plan.PlanError(f"--profile {run_dir}: a summary in profile/ cannot be read ({e}).") from None
 
 
 def _run_search(args, argv) -> int:
@@ -319,6 +336,8 @@ def _run_plan(argv: list[str]) -> int:
     args = _plan_parser().parse_args(argv)
     if args.time and args.search:
         raise plan.PlanError("give --time or --search, not both.")
+    if args.profile and not args.time:
+        raise plan.PlanError("--profile RUN_DIR holds a step-time estimate against a run's profile: give --time too.")
     if args.time:
         return _run_time(args, argv)
     if args.search:

@@ -11,6 +11,8 @@ host is `inline`: a CPU rank's thread runs each kernel it dispatches, so the hos
 GPU. Its cost is measured too: a forward and backward of the model on a micro-batch of 8 tokens,
 where the kernels' own work is negligible, divided by the kernels the model counts for one micro-batch
 (plan.work.block_kernels, the GPU path's count; the product is what the model charges per micro-batch).
+Two more steps run under torch.profiler (debug.profile_steps, outside the median) and their split by kind
+(GEMMs, attention, communication, the rest, idle) is printed beside the model's.
 
     python -m moe_trainer.bench.plan_time [--ranks 1,2] [--steps 30] [--out F.json]
 """
@@ -32,11 +34,14 @@ from ..resolve import load_config
 from ..metrics import measure_matmul_tflops
 from ..plan.gpus import Efficiency, Gpu
 from ..plan.time import Mechanisms, step_time
+from ..plan.time_report import format_profile_comparison, predicted_parts
+from ..profiling import read_summaries
 from ..plan.work import setup_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/moe_tiny.yaml"
 WARMUP = 3  # steps left out of the median (start-up, allocator warm-up)
+PROFILED = 2  # steps after the measured ones, under torch.profiler: the step split by kind, measured
 
 
 def copy_bandwidth(nbytes: int = 256 << 20, trials: int = 5) -> float:
@@ -152,16 +157,20 @@ def predict(ranks: int, threads: int) -> dict:
     cpu, eff, rates = cpu_model(cfg, ranks, threads)
     s = setup_from_config(cfg, ranks, gpus_per_node=ranks)
     r = step_time(s, cpu, eff, Mechanisms(host="inline"), 1.0)
-    return {**rates, "step_s": r.step,
+    return {**rates, "step_s": r.step, "parts": predicted_parts(r),
             "compute_s": r.compute, "exposed_comm_s": r.exposed_comm, "optimizer_s": r.optimizer,
             "host_s": r.host_wait}
 
 
 def measure(ranks: int, steps: int) -> dict:
-    """The trainer's median step over `steps` steps after a warm-up, through the DeepSpeed launcher."""
+    """The trainer's median step over `steps` steps after a warm-up, through the DeepSpeed launcher; then
+    PROFILED more steps under torch.profiler on every rank (debug.profile_steps), left out of the median, whose
+    summaries (profiling.summarize) split the step by kind."""
     with tempfile.TemporaryDirectory() as tmp:
-        sets = [f"train.max_steps={steps}", f"run.out_dir={tmp}/run", "train.log_every=1", "train.eval_every=0",
-                "train.checkpoint_every=0", "train.dtype=fp32"]
+        window = [steps + 1, steps + PROFILED]
+        sets = [f"train.max_steps={steps + PROFILED}", f"run.out_dir={tmp}/run", "train.log_every=1",
+                "train.eval_every=0", "train.checkpoint_every=0", "train.dtype=fp32",
+                f"debug.profile_steps=[{window[0]},{window[1]}]", f"debug.profile_ranks={list(range(ranks))}"]
         cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port",
                str(29700 + ranks), "--module", "moe_trainer.train", "--config", str(ROOT / CONFIG)]
         for s in sets:
@@ -171,10 +180,12 @@ def measure(ranks: int, steps: int) -> dict:
         if done.returncode:
             raise RuntimeError(f"the trainer failed ({done.returncode}): {done.stderr[-2000:]}")
         rows = [json.loads(line) for line in Path(tmp, "run", "metrics.jsonl").read_text().splitlines()]
-    times = [r["step_time_last_s"] for r in rows if "step_time_last_s" in r and r.get("step", 0) > WARMUP]
-    split = {k: statistics.median(r[k] for r in rows if k in r and r.get("step", 0) > WARMUP)
+        profiles = read_summaries(Path(tmp, "run"))
+    rows = [r for r in rows if WARMUP < r.get("step", 0) <= steps and "event" not in r]
+    times = [r["step_time_last_s"] for r in rows if "step_time_last_s" in r]
+    split = {k: statistics.median(r[k] for r in rows if k in r)
              for k in ("time.compute_s", "time.optimizer_s", "time.exposed_all_to_all_s") if any(k in r for r in rows)}
-    return {"step_s": statistics.median(times), "steps": len(times), **split}
+    return {"step_s": statistics.median(times), "steps": len(times), **split, "profile": profiles}
 
 
 def main(argv=None) -> int:
@@ -204,6 +215,7 @@ def main(argv=None) -> int:
               f"{', '.join(f'{k} {v:.2f}' for k, v in pred['efficiency'].items())}; matmul {pred['matmul_tflops']:.3f} TFLOP/s, copy "
               f"{pred['copy_gbs']:.1f} GB/s), measured median {meas['step_s'] * 1e3:.1f} ms over {meas['steps']} "
               f"steps: predicted / measured {ratio:.2f}", flush=True)
+        print(format_profile_comparison(pred["parts"], meas["profile"], f"moe_tiny at {n} rank(s)"), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps({"command": "python -m moe_trainer.bench.plan_time " + " ".join(
             argv if argv is not None else sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M"),

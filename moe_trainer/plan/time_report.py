@@ -103,3 +103,36 @@ def format_host_sweep(sweep: dict) -> str:
     body = [[name, *(f"{c[i]:.2f}" for c in cols)] for i, name in enumerate(names)]
     return "\n".join(_table(["run", *(f"{us:g} us" for us in sweep)], body)) + "\n"
 
+
+
+def predicted_parts(r: StepTime) -> dict[str, float]:
+    """The estimate's step in the kinds a profile measures (profiling.summarize), seconds per step. The device's
+    wait on communication is the exposed part and the bubble (a pipeline rank waits inside its receives)."""
+    t = r.totals
+    return {"gemm": t["compute.gemm"] + t["compute.expert_gemm"], "attention": t["compute.attention"],
+            "other": t["compute.glue"] + t["compute.grad_accum"] + r.optimizer,
+            "communication": r.exposed_comm + r.bubble, "idle": r.host_wait, "wall": r.step}
+
+
+def format_profile_comparison(want: dict[str, float], summaries: dict[str, dict], run_dir: str) -> str:
+    """The estimate's split (`predicted_parts`) against a run's profiled steps (debug.profile_steps): the profiled
+    rank whose device was busiest, its mean step, part by part, with the ratio measured / estimated."""
+    if not summaries:
+        return (f"{run_dir} has no profile/*.summary.json: run it with --set debug.profile_steps=[FIRST,LAST] "
+                f"(and debug.profile_ranks) to hold its steps against this estimate.\n")
+    name, busiest = max(summaries.items(), key=lambda kv: kv[1]["mean"].get("busy_s", 0.0))
+    m = busiest["mean"]
+    labels = [("gemm", "GEMMs (dense and experts)"), ("attention", "attention"),
+              ("other", "the rest of the device's work (glue, accumulation, optimizer)"),
+              ("communication", "communication (estimate: exposed + bubble; measured: collective kernels, "
+                                "waits included)"),
+              ("idle", "device idle (waiting for the host)"), ("wall", "step")]
+    rows = []
+    for key, label in labels:
+        got = m.get(f"{key}_s", 0.0)
+        rows.append([label, f"{want[key]:.3f} s", f"{got:.3f} s", f"{got / want[key]:.2f}" if want[key] else "-"])
+    steps = [s["step"] for s in busiest["steps"]]
+    return "\n".join([f"### Against the profile of {run_dir}: {name}, steps {steps[0]}-{steps[-1]} on the "
+                      f"{busiest['device']} ({len(summaries)} rank(s) profiled, the busiest shown)", "",
+                      *_table(["part of the step", "estimated", "measured", "measured / estimated"], rows), "",
+                      f"{m.get('kernels', 0):.0f} kernels a step on the device (top-level operators on a CPU)."]) + "\n"

@@ -47,6 +47,9 @@ SMALL_RING_BYTES = 64 << 10
 # reduce-scatter and all-gather (two exchanges, 2 (world - 1) / world of the bytes per rank instead
 # of world - 1)
 GATHER_ALL_BYTES = 64 << 10
+# each wait on the rings runs inside a profiler range of this name + the C++ call's (shm_all_to_all,
+# shm_exchange): a torch.profiler trace (debug.profile_steps) sees it as communication
+PROFILE_RANGE = "shm_collective::"
 
 
 # How long a rank with nothing to send or take spins before it sleeps until a peer rings its doorbell
@@ -239,7 +242,8 @@ def _collective(op, *args, what: Optional[str] = None) -> None:
     `what`: the collective an all-to-all serves (a ZeRO all-gather, a loss all-reduce), named in the
     message instead of the rings' own "shm all-to-all"."""
     try:
-        op(*args)
+        with torch.profiler.record_function(f"{PROFILE_RANGE}{op.__name__}"):  # debug.profile_steps: its time
+            op(*args)
     except RuntimeError as e:
         text = str(e)
         if what is not None and text.startswith("shm all-to-all"):
