@@ -30,11 +30,12 @@ import torch
 
 STEP_RANGE = "moe_trainer.step "  # + the step number: the user annotation around each profiled step
 KINDS = ("gemm", "attention", "communication", "other")
+TOP = 20  # kernels (operators on a CPU) by their time in the window, named in the summary
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 # by name, the first that matches (lower case): collectives before GEMMs (an NCCL kernel is no GEMM), attention
 # before GEMMs (flash attention's kernels carry "gemm"-like names in some builds)
 _COMM = ("nccl", "c10d::", "gloo", "all_to_all", "alltoall", "allreduce", "all_reduce", "allgather", "all_gather",
-         "reduce_scatter", "broadcast", "record_param_comms", "shm_collective::")
+         "reduce_scatter", "record_param_comms", "shm_collective::")  # not "broadcast": aten::broadcast_tensors
 _ATTENTION = ("flash", "fmha", "scaled_dot_product", "attention")
 _GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::_grouped_mm",
              "aten::_scaled_mm", "aten::_scaled_grouped_mm", "aten::mkldnn_linear", "mkldnn::_linear_pointwise"}
@@ -95,7 +96,8 @@ def _self_times(ops: list[dict]) -> list[tuple[dict, float, bool, str]]:
 
 def summarize(trace: dict) -> dict:
     """Per profiled step (the `moe_trainer.step <N>` ranges): wall, device busy and idle, the device's
-    seconds by kind, and its kernels (GPU) or top-level operators (CPU). Seconds throughout."""
+    seconds by kind, and its kernels (GPU) or top-level operators (CPU); their means; and the TOP kernels
+    (operators) by time, per step. Seconds throughout."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     steps = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(STEP_RANGE)),
                    key=lambda e: e["ts"])
@@ -108,18 +110,25 @@ def summarize(trace: dict) -> dict:
         work = _self_times([e for e in events if e.get("cat") == "cpu_op" or (
             e.get("cat") == "user_annotation" and kind_of(e["name"]) == "communication")])
     rows = []
+    names: dict = defaultdict(lambda: [0.0, 0])  # (name, kind) -> [own time, count] over the window
     for s in steps:
         start, end = s["ts"], s["ts"] + s["dur"]
         inside = [w for w in work if start <= w[0]["ts"] < end]
         by_kind = dict.fromkeys(KINDS, 0.0)
-        for _e, own, _top, kind in inside:
+        for e, own, _top, kind in inside:
             by_kind[kind] += own
+            names[(e["name"], kind)][0] += own
+            names[(e["name"], kind)][1] += 1
         busy = _union([(e["ts"], min(e["ts"] + e["dur"], end)) for e, _own, top, _k in inside if top])
         wall = s["dur"]
         rows.append({"step": int(s["name"][len(STEP_RANGE):]), "wall_s": wall / 1e6, "busy_s": busy / 1e6,
                      "idle_s": max(0.0, wall - busy) / 1e6, "kernels": sum(1 for w in inside if w[2]),
                      **{f"{k}_s": v / 1e6 for k, v in by_kind.items()}})
-    return {"device": "gpu" if on_gpu else "cpu", "steps": rows, "mean": _mean(rows)}
+    n = max(1, len(rows))
+    top = sorted(names.items(), key=lambda kv: -kv[1][0])[:TOP]
+    return {"device": "gpu" if on_gpu else "cpu", "steps": rows, "mean": _mean(rows),
+            "top": [{"name": name, "kind": kind, "s_per_step": t / 1e6 / n, "per_step": c / n}
+                    for (name, kind), (t, c) in top]}
 
 
 def _mean(rows: list[dict]) -> dict:

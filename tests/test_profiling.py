@@ -35,7 +35,7 @@ def step(n: int, ts: float, dur: float) -> dict:
     ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false>>", "attention"),
     ("aten::_scaled_dot_product_flash_attention", "attention"), ("ExplicitCausalAttentionBackward", "attention"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "other"),
-    ("aten::copy_", "other"), ("Memcpy DtoD (Device -> Device)", "other"), ("aten::mul", "other"),
+    ("aten::copy_", "other"), ("aten::broadcast_tensors", "other"), ("c10d::broadcast_", "communication"), ("Memcpy DtoD (Device -> Device)", "other"), ("aten::mul", "other"),
 ])
 def test_kinds_by_name(name, kind):
     assert kind_of(name) == kind
@@ -66,6 +66,11 @@ def test_gpu_trace_busy_is_the_union_of_kernels_and_idle_the_rest():
     assert one["kernels"] == 4
     assert (two["busy_s"], two["idle_s"], two["kernels"]) == pytest.approx((200e-6, 300e-6, 1))
     assert s["mean"]["wall_s"] == pytest.approx(750e-6)
+    # the longest kernels over the window, per step: the two GEMMs first (500 us in 2 launches over 2 steps)
+    assert s["top"][0] == {"name": "sm90_xmma_gemm_bf16", "kind": "gemm", "s_per_step": pytest.approx(250e-6),
+                           "per_step": 1.0}
+    assert [t["name"] for t in s["top"]][1:] == ["ncclDevKernel_AllToAll", "flash_fwd_kernel",
+                                                 "Memcpy DtoH (Device -> Pinned)"]
 
 
 def test_cpu_trace_charges_each_operator_its_own_time_and_composites_their_insides():
@@ -83,6 +88,8 @@ def test_cpu_trace_charges_each_operator_its_own_time_and_composites_their_insid
     ]}
     s = summarize(trace)
     assert s["device"] == "cpu"
+    assert {t["name"]: t["s_per_step"] for t in s["top"][:2]} == pytest.approx(
+        {"aten::addmm": 150e-6, "aten::_fused_adamw_": 150e-6})
     (r,) = s["steps"]
     assert r["gemm_s"] == pytest.approx(150e-6)
     assert r["attention_s"] == pytest.approx(200e-6)

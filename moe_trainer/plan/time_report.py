@@ -135,4 +135,12 @@ def format_profile_comparison(want: dict[str, float], summaries: dict[str, dict]
     return "\n".join([f"### Against the profile of {run_dir}: {name}, steps {steps[0]}-{steps[-1]} on the "
                       f"{busiest['device']} ({len(summaries)} rank(s) profiled, the busiest shown)", "",
                       *_table(["part of the step", "estimated", "measured", "measured / estimated"], rows), "",
-                      f"{m.get('kernels', 0):.0f} kernels a step on the device (top-level operators on a CPU)."]) + "\n"
+                      f"{m.get('kernels', 0):.0f} kernels a step on the device (top-level operators on a CPU)"
+                      + _longest(busiest.get("top", [])) + "."]) + "\n"
+
+
+def _longest(top: list[dict], n: int = 8) -> str:
+    """The profile's longest kernels, per step: name (kind) time x launches."""
+    return "; the longest, per step: " + "; ".join(
+        f"{t['name'][:80]} ({t['kind']}) {t['s_per_step'] * 1e3:.1f} ms x {t['per_step']:.0f}" for t in top[:n]) \
+        if top else ""
