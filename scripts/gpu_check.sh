@@ -8,11 +8,12 @@
 # Everything it writes (the tests' runs, the
 # throughput runs and their final checkpoints, ~34 GB for moe_1b_gpu) goes under one scratch directory
 # in TMPDIR, deleted when the script ends, however it ends.
-# The moe_1b_gpu runs then take two more steps under torch.profiler (debug.profile_steps, outside the
+# The moe_1b_gpu runs then take one more step under torch.profiler (debug.profile_steps, outside the
 # median) and tools/plan.py --time --profile holds the step-time model's split (GEMMs, attention, the
 # rest, communication, device idle) against theirs; with PROFILE_OUT=DIR their traces and summaries are
-# kept there (DIR/<run>/), the only thing the script keeps. The four profiled steps and reading their
-# traces add about a minute (a guess: not yet run on a GPU).
+# kept there (DIR/<run>/), the only thing the script keeps. The two profiled steps (one a run: a
+# trace holds every kernel and operator, ~10^5 of each a step here) and reading their traces add about a
+# minute (a guess: not yet run on a GPU).
 # Usage: ./scripts/gpu_check.sh [--quick] [--no-tests]   (--quick: fewer steps per throughput run;
 # --no-tests: the throughput runs alone, e.g. after the tests ran under their own time limit)
 source "$(dirname "$0")/_env.sh"
@@ -59,9 +60,9 @@ for RUN in configs/moe_bench.yaml:false configs/moe_1b_gpu.yaml:false configs/mo
   if [ "$COMPILE" = "true" ]; then NAME="${NAME}_compiled"; fi
   # MFU against metrics.device_peak_tflops: the GPU's datasheet bf16 peak. The run ends with a
   # checkpoint (every run does), written into the scratch directory and deleted with it.
-  # moe_1b_gpu: two more steps under the profiler, left out of the median
+  # moe_1b_gpu: one more step under the profiler, left out of the median
   LAST=$STEPS; PROFILE=()
-  if [ "$NAME" != moe_bench ]; then LAST=$((STEPS + 2)); PROFILE=(--set "debug.profile_steps=[$((STEPS + 1)),$LAST]"); fi
+  if [ "$NAME" != moe_bench ]; then LAST=$((STEPS + 1)); PROFILE=(--set "debug.profile_steps=[$LAST,$LAST]"); fi
   "$VPY" -m moe_trainer.train --config "$CFG" --set "run.out_dir=$WORK/$NAME" --set train.dtype=bf16 \
     --set "train.max_steps=$LAST" --set train.log_every=1 --set train.eval_every=0 --set train.checkpoint_every=0 \
     --set train.resume=none --set "train.compile=$COMPILE" ${PROFILE[@]+"${PROFILE[@]}"} > "$WORK/$NAME.log" 2>&1 \
