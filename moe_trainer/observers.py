@@ -1,8 +1,10 @@
 """What the training loop reports, as one component: it watches the steps and changes nothing.
 
     open(step, resumed_from)   the metric sink (metrics.jsonl, TensorBoard), a restart row if restarted
-    add_step(record)           every step: its time split, averaged over the steps to the next log step
-    begin_step(step)           before a step: the noise scale's hooks, on the steps that measure it
+    add_step(record)           every step: its time split, averaged over the steps to the next log step; a profiled
+                               window's last step: its trace and split written, a line, a `profile` event row
+    begin_step(step)           before a step: the noise scale's hooks, on the steps that measure it; the profiler's
+                               range (debug.profile_steps, profiling.py)
     noise_scale(skipped)       after a step: the gradient noise scale's estimate (collective, on logged steps)
     step_record(...)           at log steps: throughput, MFU, losses, noise scale, expert load, bytes
     write(step, record)        rank 0 writes it (metrics.jsonl, TensorBoard, the console)
@@ -22,6 +24,7 @@ from .config import Config
 from .metrics import Interval, MetricSink, peak_memory_gb, train_flops_per_token
 from .noise_scale import NoiseScaleMeter
 from .parallel.mesh import Mesh
+from .profiling import StepProfiler
 from .run_dir import RESTART_ENV
 
 
@@ -43,12 +46,17 @@ class Observers:
         self.sink: Optional[MetricSink] = None
         self.sink_steps = 0  # steps this process has logged
         self.interval = Interval()  # the steps since the last log step: their figures are logged as means
+        self.profiler = StepProfiler(cfg.debug.profile_steps, cfg.debug.profile_ranks, mesh.rank, device, self.out_dir)
 
     def open(self, step: int, resumed_from: Optional[Path]) -> None:
         """After resuming: metrics past the resumed step (from the interrupted run) are dropped. A job
         that moe_trainer.restart started again says so in a restart row."""
         if not self.is_logger:
             return
+        window = self.cfg.debug.profile_steps
+        if window and window[1] <= step:
+            print(f"debug.profile_steps {window}: the run resumed at step {step}, after the window; nothing is "
+                  f"profiled", flush=True)
         self.sink = MetricSink(self.out_dir, self.cfg.metrics.tensorboard, self.cfg.train.max_steps,
                                resume_step=step)
         restart = os.environ.get(RESTART_ENV)  # read once, at start: set by the restart wrapper
@@ -59,6 +67,7 @@ class Observers:
                           tb_prefix="events/restart/")
 
     def close(self) -> None:
+        self.report_profile(self.profiler.close())  # the loop stopped inside the profiled window
         if self.sink:
             self.sink.close()
 
@@ -69,6 +78,20 @@ class Observers:
     # ------------------------------------------------------------------ every step
     def add_step(self, r: dict) -> None:
         self.interval.add(self.step_figures(r))
+        self.report_profile(self.profiler.end())
+
+    def report_profile(self, summary: Optional[dict]) -> None:
+        """A profiled rank's window, written (profiling.StepProfiler): one console line from each profiled rank;
+        rank 0's means also as a `profile` event row."""
+        if summary is None:
+            return
+        m, steps = summary["mean"], summary["steps"]
+        kinds = ", ".join(f"{k} {m[f'{k}_s']:.3f}" for k in ("gemm", "attention", "communication", "other"))
+        print(f"profile rank {self.mesh.rank} steps {steps[0]['step']}-{steps[-1]['step']}: {m['wall_s']:.3f} s a "
+              f"step, the {summary['device']} busy {m['busy_s']:.3f} s ({kinds}), idle {m['idle_s']:.3f} s, "
+              f"{m['kernels']:.0f} kernels; trace {self.out_dir}/profile/{summary['trace']}", flush=True)
+        self.event(steps[-1]["step"], {"event": "profile", "rank": self.mesh.rank, "device": summary["device"],
+                                       **{f"profile.{k}": v for k, v in m.items()}})
 
     def step_figures(self, r: dict) -> dict:
         """The step's time and its split (what Interval averages between log steps)."""
@@ -93,7 +116,9 @@ class Observers:
         return out
 
     def begin_step(self, step: int) -> None:
-        """Before step `step`'s first forward: the noise scale's hooks, on the steps that measure it."""
+        """Before step `step`'s first forward: the noise scale's hooks, on the steps that measure it; the
+        profiler's range around the step, in the profiled window."""
+        self.profiler.begin(step)
         self.noise_meter.begin(step)
 
     def noise_scale(self, skipped: bool) -> None:

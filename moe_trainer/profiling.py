@@ -169,17 +169,18 @@ class StepProfiler:
     """Steps first..last under torch.profiler on this rank, when debug.profile_ranks names it.
 
         begin(step)   before the step: the profiler starts at the window's first step; the step's range opens
-        end(step)     after it: the range closes; after the window's last step the trace and summary are written
+        end()         after it: the range closes; after the window's last step the trace and summary are written
         close()       the loop ended inside the window (SIGTERM, stop_at_step): what was recorded is written
 
-    end() and close() return the summary when they write one (None otherwise)."""
+    end() and close() return the summary when they write one (None otherwise). A profiler that cannot start or
+    write (no CUPTI, a full disk) costs one line and the window, never the run: it is an observation."""
 
     def __init__(self, steps: list, ranks: Iterable[int], rank: int, device: torch.device, out_dir: Path):
         self.window = (steps[0], steps[1]) if steps and rank in set(ranks) else None
         self.rank, self.device, self.out_dir = rank, device, Path(out_dir)
         self.prof: Optional[torch.profiler.profile] = None
         self.range: Optional[torch.profiler.record_function] = None
-        self.last = 0  # the last step recorded
+        self.step = self.last = 0  # the step in its range; the last step recorded
 
     def begin(self, step: int) -> None:
         if self.window is None or not self.window[0] <= step <= self.window[1]:
@@ -188,33 +189,43 @@ class StepProfiler:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=activities)
-            self.prof.start()
-        self.range = torch.profiler.record_function(f"{STEP_RANGE}{step}")
+            try:
+                self.prof = torch.profiler.profile(activities=activities)
+                self.prof.start()
+            except (RuntimeError, OSError) as e:
+                return self._give_up("could not start", e)
+        self.step, self.range = step, torch.profiler.record_function(f"{STEP_RANGE}{step}")
         self.range.__enter__()
 
-    def end(self, step: int) -> Optional[dict]:
+    def end(self) -> Optional[dict]:
         if self.range is None:
             return None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's kernels inside its range (profiled steps only)
         self.range.__exit__(None, None, None)
-        self.range, self.last = None, step
-        return self.write() if step == self.window[1] else None
+        self.range, self.last = None, self.step
+        return self.write() if self.step == self.window[1] else None
 
     def close(self) -> Optional[dict]:
         return self.write() if self.prof is not None else None
 
-    def write(self) -> dict:
+    def write(self) -> Optional[dict]:
         """Stop the profiler; the trace and its summary into <out_dir>/profile/, each written whole."""
-        self.prof.stop()
-        out = self.out_dir / "profile"
-        out.mkdir(parents=True, exist_ok=True)
         name = trace_name(self.rank, self.window[0], self.last)
-        trace_path = out / f"{name}.json.gz"
-        _write_atomic(trace_path, lambda p: self.prof.export_chrome_trace(str(p)))
-        summary = summarize(read_trace(trace_path))
-        summary.update(rank=self.rank, trace=trace_path.name)
-        _write_atomic(out / f"{name}.summary.json", lambda p: p.write_text(json.dumps(summary, indent=1) + "\n"))
+        trace_path = self.out_dir / "profile" / f"{name}.json.gz"
+        try:
+            self.prof.stop()
+            trace_path.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomic(trace_path, lambda p: self.prof.export_chrome_trace(str(p)))
+            summary = summarize(read_trace(trace_path))
+            summary.update(rank=self.rank, trace=trace_path.name)
+            _write_atomic(trace_path.with_name(f"{name}.summary.json"),
+                          lambda p: p.write_text(json.dumps(summary, indent=1) + "\n"))
+        except (RuntimeError, OSError, ValueError, KeyError) as e:
+            return self._give_up(f"could not write {trace_path}", e)
         self.prof, self.window = None, None
         return summary
+
+    def _give_up(self, what: str, e: Exception) -> None:
+        print(f"profile rank {self.rank}: torch.profiler {what} ({e}); the run goes on unprofiled", flush=True)
+        self.prof = self.range = self.window = None

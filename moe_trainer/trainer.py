@@ -9,7 +9,7 @@ losses reduced, expert-bias update from globally summed counts (expert_load/trac
 
 Two components hang off the loop at fixed points: guards.Guards (every fault guard:
 injection, NaN, spike, replica check and repair, owner rollback, stragglers) and
-observers.Observers (metrics, TensorBoard, noise scale, expert-load summaries).
+observers.Observers (metrics, TensorBoard, noise scale, expert-load summaries, profiled steps).
 """
 from __future__ import annotations
 
@@ -39,7 +39,6 @@ from .models.init import materialize
 from .compile import compile_regions
 from .models.registry import build_model, moe_layers
 from .observers import Observers
-from .profiling import StepProfiler
 from .parallel.comm import (CommCounter, all_reduce_small, count_deepspeed_collectives, enable_shm_transport,
                             route_deepspeed_collectives)
 from .parallel.context import shard_sequence
@@ -177,8 +176,6 @@ class Trainer:
         self.data_offset = 0  # batches skipped by rollbacks: step s trains on sample position s + offset
         # the two components the loop calls at fixed points: what it reports, and what guards it
         self.observers = Observers(cfg, mesh, self.engine, self.expert_load, device, self.peak)
-        self.profiler = StepProfiler(cfg.debug.profile_steps, cfg.debug.profile_ranks, mesh.rank, device,
-                                     Path(cfg.run.out_dir))
         self.guards = Guards(self)
         self.faults = self.guards.faults  # injection (slow@S:R) where a micro-batch is read
 
@@ -252,22 +249,14 @@ class Trainer:
         self.open_sink()
         signal.signal(signal.SIGTERM, self._on_sigterm)
         t = self.cfg.train
-        window = self.cfg.debug.profile_steps
-        if window and window[1] <= self.step and self.is_logger:
-            print(f"debug.profile_steps {window}: the run resumed at step {self.step}, after the window; nothing "
-                  f"is profiled", flush=True)
         last = {}
         while self.step < t.max_steps and not self._stopping:
             progress(self.step + 1, "start")  # heartbeats: a hung rank is named by where it stopped
             self.guards.before_step(self.step + 1)  # injected kill/hang/slow; the replica check when due
             progress(self.step + 1, "forward, backward and optimizer")
-            self.profiler.begin(self.step + 1)
             record = self.train_step()
             self.step += 1
             self.observers.add_step(record)
-            profile = self.profiler.end(self.step)
-            if profile is not None:
-                self.report_profile(profile)
             progress(self.step, "losses, logging and evaluation")
             if self.guards.after_step(record):  # bit flips, the NaN policy, the spike guard
                 continue  # rolled back: the step counter is the checkpoint's now
@@ -290,9 +279,6 @@ class Trainer:
                     continue  # rolled back instead
                 progress(self.step, "checkpoint")
                 self.save_checkpoint()
-        profile = self.profiler.close()  # the loop stopped inside the profiled window
-        if profile is not None:
-            self.report_profile(profile)
         if self.pipelined and self.trace.enabled:
             self.write_pipeline_trace()
         self.observers.close()
@@ -300,17 +286,6 @@ class Trainer:
             print(f"stopped by SIGTERM after step {self.step}; checkpoint written, resume with train.resume=auto",
                   flush=True)
         return last
-
-    def report_profile(self, summary: dict) -> None:
-        """A profiled rank's window is written: one console line; rank 0's means also as a `profile` event row."""
-        m = summary["mean"]
-        kinds = ", ".join(f"{k} {m[f'{k}_s']:.3f}" for k in ("gemm", "attention", "communication", "other"))
-        print(f"profile rank {self.mesh.rank} steps {summary['steps'][0]['step']}-{summary['steps'][-1]['step']}: "
-              f"{m['wall_s']:.3f} s a step, the {summary['device']} busy {m['busy_s']:.3f} s ({kinds}), idle "
-              f"{m['idle_s']:.3f} s, {m['kernels']:.0f} kernels; trace {self.cfg.run.out_dir}/profile/"
-              f"{summary['trace']}", flush=True)
-        self.observers.event(self.step, {"event": "profile", "rank": self.mesh.rank, "device": summary["device"],
-                                         **{f"profile.{k}": v for k, v in m.items()}})
 
     def save_checkpoint(self) -> None:
         """checkpoint.save (collective), and one console line from rank 0: step, path, size, seconds."""

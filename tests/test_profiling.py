@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from moe_trainer.config import ConfigError, validate, validate_layout
-from moe_trainer.profiling import STEP_RANGE, kind_of, read_summaries, summarize
+from moe_trainer.profiling import STEP_RANGE, StepProfiler, kind_of, read_summaries, summarize
 from moe_trainer.resolve import load_config
 
 from conftest import ROOT, TINY, check, launch, read_metrics
@@ -99,6 +100,46 @@ def test_cpu_trace_charges_each_operator_its_own_time_and_composites_their_insid
     assert r["busy_s"] == pytest.approx((200 + 200 + 100 + 150) * 1e-6)  # add_ lies inside adamw's span
     assert r["idle_s"] == pytest.approx(350e-6)
     assert r["kernels"] == 5
+
+
+def test_a_window_the_loop_leaves_early_is_written_as_far_as_it_ran(tmp_path):
+    """StepProfiler on its own: steps outside the window and ranks not named record nothing; a loop that stops
+    inside the window (SIGTERM, train.stop_at_step) still writes what it recorded, named by its real steps."""
+    other = StepProfiler([2, 4], [1], 0, torch.device("cpu"), tmp_path)
+    mine = StepProfiler([2, 4], [0, 1], 0, torch.device("cpu"), tmp_path)
+    for step in (1, 2, 3):
+        for p in (other, mine):
+            p.begin(step)
+        torch.ones(64, 64) @ torch.ones(64, 64)
+        assert other.end() is None and mine.end() is None  # the window's last step (4) never ran
+    assert other.close() is None  # rank 0 is not among its ranks
+    summary = mine.close()
+    assert [r["step"] for r in summary["steps"]] == [2, 3] and summary["trace"] == "rank0.steps2-3.json.gz"
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["rank0.steps2-3.json.gz",
+                                                                       "rank0.steps2-3.summary.json"]
+    assert summary["mean"]["gemm_s"] > 0
+    assert mine.close() is None  # written once
+
+
+def test_a_profiler_that_fails_costs_a_line_not_the_run(tmp_path, monkeypatch, capsys):
+    """No CUPTI, a full disk: the window is lost with one line; the steps go on."""
+    p = StepProfiler([1, 2], [0], 0, torch.device("cpu"), tmp_path)
+
+    def refuse(*a, **k):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+    monkeypatch.setattr(torch.profiler, "profile", refuse)
+    p.begin(1)
+    assert p.end() is None and p.close() is None
+    p.begin(2)
+    assert "profile rank 0: torch.profiler could not start (CUPTI_ERROR_NOT_INITIALIZED); the run goes on " \
+           "unprofiled" in capsys.readouterr().out
+    monkeypatch.undo()
+    (tmp_path / "profile").write_text("a file where the directory should be")
+    q = StepProfiler([1, 1], [0], 0, torch.device("cpu"), tmp_path)
+    q.begin(1)
+    assert q.end() is None
+    assert "torch.profiler could not write" in capsys.readouterr().out
+    assert not torch.autograd._profiler_enabled()  # stopped: the next steps run unprofiled
 
 
 @pytest.mark.parametrize("sets, words", [
