@@ -31,6 +31,7 @@ import torch
 STEP_RANGE = "moe_trainer.step "  # + the step number: the user annotation around each profiled step
 KINDS = ("gemm", "attention", "communication", "other")
 TOP = 20  # kernels (operators on a CPU) by their time in the window, named in the summary
+NAME_CHARS = 160  # of each: a kernel's full name can run to thousands (its template arguments); the trace has it
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 # by name, the first that matches (lower case): collectives before GEMMs (an NCCL kernel is no GEMM), attention
 # before GEMMs (flash attention's kernels carry "gemm"-like names in some builds)
@@ -45,9 +46,17 @@ _GEMM_KERNELS = ("gemm", "cutlass", "xmma", "nvjet", "wgmma", "cublas", "triton_
                  "onednnlinear", "threadedcpuexperts")
 
 
+def _base(name: str) -> str:
+    """A kernel's name without its template arguments and parameters: what it is, not what it is instantiated
+    with (fbgemm's embedding kernels take `fbgemm_gpu::` types; a GEMM's epilogue may take an attention mask)."""
+    n = name.removeprefix("void ")
+    cut = [i for i in (n.find("<"), n.find("(")) if i > 0]
+    return n[:min(cut)] if cut else n
+
+
 def kind_of(name: str) -> str:
     """The kind a kernel or operator's time counts as, from its name."""
-    n = name.lower()
+    n = _base(name).lower().replace("fbgemm", "")  # a library's name, not a GEMM
     if any(k in n for k in _COMM):
         return "communication"
     if any(k in n for k in _ATTENTION):
@@ -127,7 +136,7 @@ def summarize(trace: dict) -> dict:
     n = max(1, len(rows))
     top = sorted(names.items(), key=lambda kv: -kv[1][0])[:TOP]
     return {"device": "gpu" if on_gpu else "cpu", "steps": rows, "mean": _mean(rows),
-            "top": [{"name": name, "kind": kind, "s_per_step": t / 1e6 / n, "per_step": c / n}
+            "top": [{"name": name[:NAME_CHARS], "kind": kind, "s_per_step": t / 1e6 / n, "per_step": c / n}
                     for (name, kind), (t, c) in top]}
 
 
