@@ -189,7 +189,7 @@ class StepProfiler:
         self.rank, self.device, self.out_dir = rank, device, Path(out_dir)
         self.prof: Optional[torch.profiler.profile] = None
         self.range: Optional[torch.profiler.record_function] = None
-        self.step = self.last = 0  # the step in its range; the last step recorded
+        self.first = self.step = self.last = 0  # the first step recorded; the step in its range; the last one
 
     def begin(self, step: int) -> None:
         if self.window is None or not self.window[0] <= step <= self.window[1]:
@@ -203,6 +203,7 @@ class StepProfiler:
                 self.prof.start()
             except (RuntimeError, OSError) as e:
                 return self._give_up("could not start", e)
+            self.first = step  # the window's first step, or the first after a resume inside it
         self.step, self.range = step, torch.profiler.record_function(f"{STEP_RANGE}{step}")
         self.range.__enter__()
 
@@ -220,7 +221,7 @@ class StepProfiler:
 
     def write(self) -> Optional[dict]:
         """Stop the profiler; the trace and its summary into <out_dir>/profile/, each written whole."""
-        name = trace_name(self.rank, self.window[0], self.last)
+        name = trace_name(self.rank, self.first, self.last)
         trace_path = self.out_dir / "profile" / f"{name}.json.gz"
         try:
             self.prof.stop()

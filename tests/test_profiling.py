@@ -133,6 +133,11 @@ def test_a_window_the_loop_leaves_early_is_written_as_far_as_it_ran(tmp_path):
                                                                        "rank0.steps2-3.summary.json"]
     assert summary["mean"]["gemm_s"] > 0
     assert mine.close() is None  # written once
+    resumed = StepProfiler([2, 4], [0], 0, torch.device("cpu"), tmp_path)  # a resume at step 2, inside the window
+    for step in (3, 4):
+        resumed.begin(step)
+        summary = resumed.end()
+    assert summary["trace"] == "rank0.steps3-4.json.gz" and [r["step"] for r in summary["steps"]] == [3, 4]
 
 
 def test_a_profiler_that_fails_costs_a_line_not_the_run(tmp_path, monkeypatch, capsys):
