@@ -104,7 +104,6 @@ def format_host_sweep(sweep: dict) -> str:
     return "\n".join(_table(["run", *(f"{us:g} us" for us in sweep)], body)) + "\n"
 
 
-
 def predicted_parts(r: StepTime) -> dict[str, float]:
     """The estimate's step in the kinds a profile measures (profiling.summarize), seconds per step. The device's
     wait on communication is the exposed part and the bubble (a pipeline rank waits inside its receives)."""
